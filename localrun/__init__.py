@@ -1,0 +1,6 @@
+"""localrun: run language models locally."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+

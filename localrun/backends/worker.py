@@ -1,0 +1,287 @@
+"""Engine isolation: every engine runs in a worker process.
+
+A native engine can abort the whole process on a bad file (llama.cpp throws std::out_of_range
+from tokenization, for one), so localrun talks to it over pipes, as Ollama and LM Studio do:
+a crash becomes an EngineCrashedError and the caller keeps running.
+
+Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "stream" | "cancel" |
+"call" | "close", ...}. Worker -> parent: {"ok": ...}, {"chunk": {...}} or {"error": {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from localrun import errors
+from localrun.backends.base import Cancel
+from localrun.errors import EngineCrashedError, EngineError, LocalrunError
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.store import ModelInfo
+
+
+class _Channel:
+    """Newline-delimited JSON over a pair of raw file descriptors."""
+
+    def __init__(self, rfd: int, wfd: int) -> None:
+        self.rfd, self.wfd = rfd, wfd
+        self.buf = b""
+        self.lines: deque[bytes] = deque()
+        self.eof = False
+
+    def send(self, obj: Any) -> None:
+        data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            n = os.write(self.wfd, view)
+            view = view[n:]
+
+    def _fill(self, timeout: float | None) -> None:
+        if timeout is not None:
+            ready, _, _ = select.select([self.rfd], [], [], timeout)
+            if not ready:
+                return
+        data = os.read(self.rfd, 1 << 16)
+        if not data:
+            self.eof = True
+            return
+        self.buf += data
+        if b"\n" in self.buf:
+            *complete, self.buf = self.buf.split(b"\n")
+            self.lines.extend(complete)
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next message; None on timeout or end of stream (check .eof)."""
+        if not self.lines and not self.eof:
+            self._fill(timeout)
+        if self.lines:
+            return json.loads(self.lines.popleft())
+        return None
+
+
+def _error_payload(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, LocalrunError):
+        return {"type": type(e).__name__, "message": e.message, "hint": e.hint}
+    return {"type": "EngineError", "message": f"{type(e).__name__}: {e}", "hint": None}
+
+
+def _raise_payload(p: dict[str, Any]) -> None:
+    cls = getattr(errors, p.get("type", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, LocalrunError)):
+        cls = EngineError
+    raise cls(p.get("message", "engine error"), p.get("hint"))
+
+
+# -- parent side -------------------------------------------------------------------------------
+
+
+class WorkerSession:
+    """A Session whose engine lives in a child process."""
+
+    def __init__(self, backend: str, model: ModelInfo, options: LoadOptions) -> None:
+        self.backend = backend
+        self.model = model
+        self.stderr_tail: deque[str] = deque(maxlen=50)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "localrun.backends.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        self.chan = _Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.busy = False
+        self._info = self._call({"op": "load", "backend": backend, "model": model.to_dict(), "options": options.to_dict()},
+                                "loading the model")
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr
+        debug = bool(os.environ.get("LOCALRUN_DEBUG"))
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            self.stderr_tail.append(line)
+            if debug:
+                print(f"[engine] {line}", file=sys.stderr)
+
+    def _crashed(self, activity: str) -> EngineCrashedError:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        reason = ""
+        for line in reversed(self.stderr_tail):
+            if any(k in line for k in ("what()", "terminate called", "error", "Error", "GGML_ASSERT")):
+                reason = line.strip()
+                break
+        detail = f"{how}{': ' + reason if reason else ''}"
+        return EngineCrashedError(
+            f"the {self.backend} engine crashed while {activity} model '{self.model.name}' ({detail})",
+            "the model file may be damaged or unsupported; localrun is still running, try another model",
+        )
+
+    def _recv(self, activity: str, timeout: float | None = None) -> Any:
+        msg = self.chan.recv(timeout)
+        if msg is None and self.chan.eof:
+            raise self._crashed(activity)
+        return msg
+
+    def _call(self, message: dict[str, Any], activity: str) -> Any:
+        if self.proc.poll() is not None:
+            raise EngineError("the engine process has stopped", "load the model again")
+        self.chan.send(message)
+        msg = self._recv(activity)
+        if "error" in msg:
+            _raise_payload(msg["error"])
+        return msg.get("ok")
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info or {})
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run a named engine method in the worker (e.g. tokenize)."""
+        return self._call({"op": "call", "method": method, "args": list(args)}, f"running {method} on")
+
+    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
+        if self.busy:
+            raise EngineError("this model is already generating", "wait for the reply to finish")
+        if self.proc.poll() is not None:
+            raise EngineError("the engine process has stopped", "load the model again")
+        self.busy = True
+        self.chan.send({"op": "stream", "request": request.to_dict(), "params": params.to_dict()})
+        cancelled = finished = False
+        try:
+            while True:
+                try:
+                    if not cancelled and cancel is not None and cancel.is_set():
+                        cancelled = True
+                        self.chan.send({"op": "cancel"})
+                    msg = self._recv("generating with", 0.05 if cancel is not None and not cancelled else None)
+                except KeyboardInterrupt:
+                    # Ctrl-C: stop the reply, keep the engine (it ignores SIGINT).
+                    if not cancelled:
+                        cancelled = True
+                        self.chan.send({"op": "cancel"})
+                    continue
+                if msg is None:
+                    continue
+                if "error" in msg:
+                    _raise_payload(msg["error"])
+                chunk = Chunk.from_dict(msg["chunk"])
+                if chunk.done:
+                    finished = True
+                yield chunk
+                if finished:
+                    return
+        except GeneratorExit:
+            if finished:
+                raise
+            # The consumer stopped early: cancel and drain so the next request starts clean.
+            self.chan.send({"op": "cancel"})
+            while True:
+                msg = self._recv("generating with")
+                if "error" in msg or msg.get("chunk", {}).get("done"):
+                    break
+            raise
+        finally:
+            self.busy = False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.chan.send({"op": "close"})
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f:
+                f.close()
+
+    def __del__(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+
+class _PipeCancel:
+    """Cancel flag that polls the parent's pipe between tokens."""
+
+    def __init__(self, chan: _Channel) -> None:
+        self.chan = chan
+        self.flag = False
+
+    def is_set(self) -> bool:
+        if not self.flag:
+            msg = self.chan.recv(0)
+            if msg is not None and msg.get("op") == "cancel":
+                self.flag = True
+            elif self.chan.eof:
+                self.flag = True
+        return self.flag
+
+
+def serve() -> None:
+    """The worker's main loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which cancels
+    proto = os.dup(1)
+    os.dup2(2, 1)  # stray prints from native code must not corrupt the protocol
+    chan = _Channel(0, proto)
+    session: Any = None
+    while True:
+        msg = chan.recv()
+        if msg is None:
+            if chan.eof:
+                break
+            continue
+        op = msg.get("op")
+        try:
+            if op == "load":
+                from localrun.backends.base import get_backend
+
+                model = ModelInfo(**msg["model"])
+                session = get_backend(msg["backend"]).load(model, LoadOptions(**msg["options"]))
+                chan.send({"ok": session.info()})
+            elif op == "stream":
+                cancel = _PipeCancel(chan)
+                for chunk in session.stream(Request.from_dict(msg["request"]),
+                                            GenerationParams.from_dict(msg["params"]), cancel):
+                    if chunk.done and cancel.flag:
+                        chunk = Chunk(**{**chunk.to_dict(), "finish_reason": "cancelled"})
+                    chan.send({"chunk": chunk.to_dict()})
+            elif op == "call":
+                chan.send({"ok": getattr(session, msg["method"])(*msg.get("args", []))})
+            elif op == "system_info":
+                from localrun.backends.base import get_backend
+
+                backend = get_backend(msg["backend"])
+                chan.send({"ok": backend.system_info()})  # type: ignore[attr-defined]
+            elif op == "cancel":
+                continue  # arrived after the reply ended
+            elif op == "close":
+                break
+            else:
+                chan.send({"error": {"type": "EngineError", "message": f"unknown op {op!r}"}})
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the parent
+            chan.send({"error": _error_payload(e)})
+    if session is not None:
+        session.close()
+
+
+if __name__ == "__main__":
+    serve()

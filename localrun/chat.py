@@ -1,0 +1,160 @@
+"""Chat templates (sandboxed Jinja), messages, and stop-sequence handling."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from localrun.errors import BadModelFileError, UsageError
+
+ROLES = ("system", "user", "assistant", "tool")
+# Used when a model carries no chat template: plain turns the model can continue.
+PLAIN_STOPS = ("\nUser:", "\nSystem:")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation."""
+
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    """Validate a JSON-style list of {role, content} into Messages."""
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
+        raise UsageError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if isinstance(m, Message):
+            out.append(m)
+            continue
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
+            raise UsageError(f"message {i} must be an object with a string 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise UsageError(f"message {i} has role {role!r}", f"use one of {', '.join(ROLES)}")
+        out.append(Message(str(role), m["content"]))
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    from markupsafe import Markup
+
+    return Markup(json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def render_template(
+    source: str,
+    messages: Sequence[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
+    """Render a chat template in jinja2's immutable sandbox.
+
+    Raises BadModelFileError when the template is broken or tries to reach Python internals.
+    """
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        template = _compile(source)
+        return str(
+            template.render(
+                messages=[m.to_dict() for m in messages],
+                bos_token=bos_token,
+                eos_token=eos_token,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
+            )
+        )
+    except SecurityError as e:
+        raise BadModelFileError(
+            f"the model's chat template tried an unsafe operation and was refused ({e})",
+            "use a model from a source you trust, or pass --raw to skip the template",
+        ) from e
+    except TemplateError as e:
+        raise BadModelFileError(
+            f"the model's chat template failed: {e}", "pass --raw to skip the template"
+        ) from e
+
+
+def render_plain(messages: Sequence[Message]) -> str:
+    """The fallback prompt for models without a chat template."""
+    parts = []
+    for m in messages:
+        if m.role == "system":
+            parts.append(f"{m.content}\n")
+        else:
+            parts.append(f"{'User' if m.role == 'user' else 'Assistant'}: {m.content}\n")
+    parts.append("Assistant:")
+    return "".join(parts)
+
+
+class StopMatcher:
+    """Streams text while holding back what could be the start of a stop sequence."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add generated text; return (text safe to emit, whether a stop sequence was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        first = -1
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i != -1 and (first == -1 or i < first):
+                first = i
+        if first != -1:
+            out, self.pending = self.pending[:first], ""
+            return out, True
+        # Keep back the longest suffix that is a prefix of some stop sequence.
+        keep = 0
+        for k in range(min(self.longest - 1, len(self.pending)), 0, -1):
+            tail = self.pending[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        """Text held back when generation ends without a stop."""
+        out, self.pending = self.pending, ""
+        return out

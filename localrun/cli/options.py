@@ -1,0 +1,61 @@
+"""Flags shared by run, batch and tui: generation settings and engine loading."""
+
+from __future__ import annotations
+
+import argparse
+
+from localrun.generation import GenerationParams, LoadOptions
+
+GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens")
+
+
+def _gpu_layers(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of layers, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {value!r}")
+    return n
+
+
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    """Sampling and stopping flags (defaults come from GenerationParams)."""
+    g = p.add_argument_group("generation")
+    d = GenerationParams()
+    g.add_argument("--temperature", type=float, help=f"sampling temperature; 0 is greedy (default {d.temperature})")
+    g.add_argument("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
+    g.add_argument("--top-k", type=int, help=f"keep the k most likely tokens; 0 disables (default {d.top_k})")
+    g.add_argument("--min-p", type=float, help=f"drop tokens below min-p x the top probability (default {d.min_p})")
+    g.add_argument("--repeat-penalty", type=float, help=f"penalty for repeated tokens; 1 disables (default {d.repeat_penalty})")
+    g.add_argument("--repeat-last-n", type=int, help=f"how many recent tokens the penalty sees (default {d.repeat_last_n})")
+    g.add_argument("--seed", type=int, help="random seed for reproducible sampling (default: random)")
+    g.add_argument("--max-tokens", "-n", type=int, help="stop after this many tokens (default: until the model stops)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("--system", help="system prompt")
+
+
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """Engine loading flags."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--ctx", type=int, help="context length in tokens (default: the model's, at most 4096)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: every core up to 4)")
+    g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
+                   help="layers to offload to the GPU (default auto: all that fit)")
+    g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
+    g.add_argument("--engine", choices=("llama.cpp", "mlx"), help="force an engine")
+
+
+def params_from_args(args: argparse.Namespace) -> GenerationParams:
+    """GenerationParams from parsed flags; unset flags keep the defaults."""
+    values = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
+    return GenerationParams(stop=tuple(getattr(args, "stop", []) or ()), **values)
+
+
+def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> LoadOptions:
+    """LoadOptions from parsed flags."""
+    fa = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attn", "auto")]
+    return LoadOptions(n_ctx=args.ctx, n_threads=args.threads, gpu_layers=args.gpu_layers, flash_attn=fa,
+                       n_parallel=n_parallel)

@@ -1,0 +1,172 @@
+"""`localrun run`: one reply, or an interactive chat in the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from localrun.cli.options import add_generation_flags, add_load_flags, load_options_from_args, params_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="chat with a model, or answer one prompt", description=cmd_run.__doc__)
+    p.add_argument("model", help="model name (see 'localrun list') or path to a .gguf file")
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from stdin; omit for an interactive chat")
+    p.add_argument("--raw", action="store_true", help="complete the prompt as plain text, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed on stderr")
+    add_generation_flags(p)
+    add_load_flags(p)
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Answer PROMPT with MODEL and exit (only the reply goes to stdout), or chat interactively
+    when no prompt is given. '-' (or a pipe) reads the prompt from stdin."""
+    from localrun import api
+    from localrun.errors import UsageError
+
+    params = params_from_args(args)
+    options = load_options_from_args(args)
+    prompt = args.prompt
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        prompt = sys.stdin.read()
+    if prompt is not None and not prompt.strip():
+        raise UsageError("the prompt is empty", "pass a prompt, or '-' to read it from stdin")
+    if prompt is None and args.json:
+        raise UsageError("--json needs a prompt", "pass a prompt, or '-' to read it from stdin")
+    model = api.get_model(args.model)
+    session = api.load(model, options, engine=args.engine)
+    try:
+        if prompt is None:
+            return _interactive(session, model.name, args, params)
+        request = api.build_messages(prompt, args.system) if not args.raw else _raw(prompt, args)
+        return _answer(session, model.name, request, params, args)
+    finally:
+        session.close()
+
+
+def _raw(prompt: str, args: argparse.Namespace) -> Any:
+    from localrun.generation import Request
+
+    return Request.raw(f"{args.system}\n\n{prompt}" if args.system else prompt)
+
+
+def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.Namespace) -> int:
+    from localrun import api
+
+    parts: list[str] = []
+    last = None
+    out = sys.stdout
+    for chunk in api.generate(session, request, params):
+        if chunk.done:
+            last = chunk
+            break
+        parts.append(chunk.text)
+        if not args.json:
+            out.write(chunk.text)
+            out.flush()
+    assert last is not None
+    text = "".join(parts)
+    if args.json:
+        record = {"model": name, "text": text, **_stats(last)}
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    if args.verbose:
+        _print_stats(last)
+    return 130 if last.finish_reason == "cancelled" else 0
+
+
+def _stats(chunk: Any) -> dict[str, Any]:
+    return {
+        "finish_reason": chunk.finish_reason,
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "tokens_per_second": round(chunk.tokens_per_second, 2),
+        "prompt_ms": round(chunk.prompt_ms, 2),
+        "decode_ms": round(chunk.decode_ms, 2),
+        "seed": chunk.seed,
+    }
+
+
+def _print_stats(chunk: Any) -> None:
+    print(
+        f"[{chunk.prompt_tokens} prompt tokens in {chunk.prompt_ms:.0f} ms, {chunk.completion_tokens} tokens at"
+        f" {chunk.tokens_per_second:.1f} tok/s, {chunk.finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+def _interactive(session: Any, name: str, args: argparse.Namespace, params: Any) -> int:
+    """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves."""
+    import threading
+
+    from localrun import api
+    from localrun.errors import ContextOverflowError
+
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    system = args.system
+    history: list[dict[str, str]] = []
+    err = sys.stderr
+    print(f"Chatting with {name}. Ctrl-C stops a reply, Ctrl-D leaves. /help for commands.", file=err)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=err)
+            return 0
+        except KeyboardInterrupt:
+            print("^C (Ctrl-D leaves)", file=err)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, rest = text.partition(" ")
+            if cmd in ("/bye", "/exit", "/quit"):
+                return 0
+            if cmd == "/clear":
+                history.clear()
+                print("(conversation cleared)", file=err)
+            elif cmd == "/system":
+                system = rest or None
+                print(f"(system prompt {'set' if system else 'cleared'})", file=err)
+            else:
+                print("/clear forgets the conversation, /system TEXT sets the system prompt, /bye leaves", file=err)
+            continue
+        request = api.build_messages(text, system, history)
+        cancel = threading.Event()
+        parts: list[str] = []
+        last = None
+        stream = api.generate(session, request, params, cancel)
+        try:
+            for chunk in stream:
+                if chunk.done:
+                    last = chunk
+                    break
+                parts.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except ContextOverflowError as e:
+            print(f"localrun: {e}; use /clear to start over", file=err)
+            continue
+        except KeyboardInterrupt:
+            stream.close()  # cancels the reply in the engine and waits for it to stop
+            last = None
+            sys.stdout.write("\n")
+            print("(stopped; this exchange was not kept)", file=err)
+            continue
+        sys.stdout.write("\n")
+        if last is not None and last.finish_reason == "cancelled":
+            print("(stopped; this exchange was not kept)", file=err)
+            continue
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
+        if args.verbose and last is not None:
+            _print_stats(last)

@@ -1,0 +1,144 @@
+"""Values that cross module and process boundaries: requests, settings, streamed chunks."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from localrun.chat import Message, parse_messages
+from localrun.errors import UsageError
+
+
+def _check(cond: bool, flag: str, value: Any, expected: str) -> None:
+    if not cond:
+        raise UsageError(f"invalid value for {flag}: {value!r}", f"expected {expected}")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling and stopping settings for one reply."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
+        _check(0 < self.top_p <= 1, "--top-p", self.top_p, "a number in (0, 1]")
+        _check(self.top_k >= 0, "--top-k", self.top_k, "an integer >= 0 (0 disables it)")
+        _check(0 <= self.min_p <= 1, "--min-p", self.min_p, "a number in [0, 1]")
+        _check(math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0, "--repeat-penalty", self.repeat_penalty, "a number > 0 (1 disables it)")
+        _check(self.repeat_last_n >= 0, "--repeat-last-n", self.repeat_last_n, "an integer >= 0")
+        _check(self.seed is None or 0 <= self.seed < 2**32, "--seed", self.seed, "an integer in [0, 2^32)")
+        _check(self.max_tokens is None or self.max_tokens > 0, "--max-tokens", self.max_tokens, "an integer > 0")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationParams:
+        """Build from a JSON-style dict; unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UsageError(f"unknown generation setting(s): {', '.join(unknown)}", f"known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_threads() -> int:
+    """Threads for decoding: every core up to 4, then half of them (hyper-threads do not help)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return n if n <= 4 else max(4, n // 2)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How an engine loads a model."""
+
+    n_ctx: int | None = None  # None: the model's own, capped at DEFAULT_CTX
+    n_threads: int | None = None
+    gpu_layers: int | str = "auto"  # "auto": all layers that fit; 0: CPU only
+    flash_attn: bool | None = None  # None: the engine decides
+    n_batch: int = 512
+    n_parallel: int = 1
+
+    DEFAULT_CTX = 4096
+
+    def __post_init__(self) -> None:
+        _check(self.n_ctx is None or 16 <= self.n_ctx <= 1 << 22, "--ctx", self.n_ctx, "an integer of at least 16")
+        _check(self.n_threads is None or 1 <= self.n_threads <= 1024, "--threads", self.n_threads, "an integer >= 1")
+        g = self.gpu_layers
+        _check(g == "auto" or (isinstance(g, int) and g >= -1), "--gpu-layers", g, "'auto' or an integer >= 0")
+        _check(self.n_batch >= 1, "--batch-size", self.n_batch, "an integer >= 1")
+        _check(self.n_parallel >= 1, "--parallel", self.n_parallel, "an integer >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate from: chat messages (templated) or a raw prompt."""
+
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (not self.messages):
+            raise UsageError("a request needs either messages or a raw prompt")
+
+    @classmethod
+    def chat(cls, messages: Any) -> Request:
+        return cls(messages=tuple(parse_messages(messages)))
+
+    @classmethod
+    def raw(cls, prompt: str) -> Request:
+        return cls(prompt=prompt)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Request:
+        if data.get("prompt") is not None:
+            return cls.raw(data["prompt"])
+        return cls.chat(data["messages"])
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of streamed output; the last one has done=True and the statistics."""
+
+    text: str = ""
+    done: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed: generated tokens over the time spent generating them."""
+        return self.completion_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Chunk:
+        return cls(**data)

