@@ -1,0 +1,158 @@
+"""The llama.cpp engine on real models, through the isolated worker the CLI and TUI use."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from localrun import api
+from localrun.errors import ContextOverflowError, EngineCrashedError
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.store import ModelInfo
+
+from .ggufs import without_byte_tokens
+
+GREEDY = GenerationParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[object]:
+    session = api.load("smollm2:135m", LoadOptions(n_ctx=2048))
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[object]:
+    from .conftest import STORIES, assets_or_skip
+
+    session = api.load(str(assets_or_skip(STORIES)), LoadOptions(n_ctx=256))
+    yield session
+    session.close()
+
+
+def collect(session: object, request: Request, params: GenerationParams, cancel: object = None) -> tuple[str, Chunk]:
+    parts, last = [], None
+    for chunk in api.generate(session, request, params, cancel):  # type: ignore[arg-type]
+        if chunk.done:
+            last = chunk
+        else:
+            parts.append(chunk.text)
+    assert last is not None
+    return "".join(parts), last
+
+
+def test_chat_answer_from_starter_model(smol: object) -> None:
+    text, last = collect(smol, api.build_messages("What is the opposite of hot?"), GREEDY)
+    assert "cold" in text.lower()
+    assert last.finish_reason == "stop" and last.completion_tokens > 3 and last.prompt_tokens > 10
+    assert last.tokens_per_second > 0
+
+
+def test_raw_completion(smol: object) -> None:
+    text, _ = collect(smol, Request.raw("The capital of France is"), GenerationParams(temperature=0, max_tokens=4))
+    assert text.startswith(" Paris")
+
+
+def test_greedy_is_deterministic(smol: object, tiny: object) -> None:
+    for session, req in ((smol, api.build_messages("Write a haiku about rain.")), (tiny, Request.raw("Once upon a time"))):
+        a = collect(session, req, GenerationParams(temperature=0, max_tokens=40))[0]
+        b = collect(session, req, GenerationParams(temperature=0, max_tokens=40))[0]
+        assert a == b and len(a) > 20
+
+
+def test_seeded_sampling_is_reproducible(tiny: object) -> None:
+    params = GenerationParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42, max_tokens=40)
+    a = collect(tiny, Request.raw("Once upon a time"), params)[0]
+    b = collect(tiny, Request.raw("Once upon a time"), params)[0]
+    others = {collect(tiny, Request.raw("Once upon a time"), GenerationParams(**{**params.to_dict(), "seed": s}))[0]
+              for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1, "different seeds should give different samples"
+
+
+def test_max_tokens(tiny: object) -> None:
+    _, last = collect(tiny, Request.raw("Once upon a time"), GenerationParams(temperature=0, max_tokens=7))
+    assert last.completion_tokens == 7 and last.finish_reason == "length"
+
+
+def test_stop_sequences(tiny: object) -> None:
+    full, _ = collect(tiny, Request.raw("Once upon a time"), GenerationParams(temperature=0, max_tokens=60))
+    word = full.split()[5]
+    text, last = collect(tiny, Request.raw("Once upon a time"),
+                         GenerationParams(temperature=0, max_tokens=60, stop=(word, "zzzz")))
+    assert last.finish_reason == "stop"
+    assert text == full[: full.index(word)]
+    assert word not in text
+
+
+def test_context_overflow(tiny: object) -> None:
+    with pytest.raises(ContextOverflowError, match="context holds 256"):
+        collect(tiny, Request.raw("Once upon a time " * 200), GREEDY)
+    # The engine is still usable afterwards.
+    text, _ = collect(tiny, Request.raw("Once"), GenerationParams(temperature=0, max_tokens=3))
+    assert text
+
+
+def test_generation_stops_at_full_context(tiny: object) -> None:
+    _, last = collect(tiny, Request.raw("Once upon a time"), GREEDY)
+    assert last.finish_reason in ("stop", "length")
+    assert last.prompt_tokens + last.completion_tokens <= 256
+
+
+def test_cancel_between_tokens(smol: object) -> None:
+    cancel = threading.Event()
+    n = 0
+    last = None
+    for chunk in api.generate(smol, Request.raw("Here is a very long story about a dragon:"),
+                              GenerationParams(temperature=0, max_tokens=500), cancel):
+        n += 1
+        if n == 5:
+            cancel.set()
+        if chunk.done:
+            last = chunk
+    assert last is not None and last.finish_reason == "cancelled"
+    assert last.completion_tokens < 50
+    # The next request starts clean.
+    text, _ = collect(smol, Request.raw("The capital of France is"), GenerationParams(temperature=0, max_tokens=4))
+    assert text.startswith(" Paris")
+
+
+def test_prompt_prefix_cache_gives_same_result(smol: object) -> None:
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]
+    req = api.build_messages("What is the opposite of hot?", None, history)
+    warm = collect(smol, req, GREEDY)[0]
+    fresh = api.load("smollm2:135m", LoadOptions(n_ctx=2048))
+    try:
+        cold = collect(fresh, req, GREEDY)[0]
+    finally:
+        fresh.close()
+    assert warm == cold
+
+
+def test_model_without_template_uses_plain_chat(tiny: object) -> None:
+    text, last = collect(tiny, api.build_messages("Tell me a story.", system="Be kind."),
+                         GenerationParams(temperature=0, max_tokens=30))
+    assert last.completion_tokens > 0 and "\nUser:" not in text
+
+
+def test_engine_crash_becomes_an_error(stories: Path, tmp_path: Path) -> None:
+    """A file that passes no validation here (built to bypass it) aborts llama.cpp natively;
+    localrun reports it and keeps running."""
+    from localrun.backends.worker import WorkerSession
+
+    broken = without_byte_tokens(stories, tmp_path / "nobytes.gguf")
+    session = WorkerSession("llama.cpp", ModelInfo("broken", str(broken), "gguf", "path", 0), LoadOptions(n_ctx=64))
+    with pytest.raises(EngineCrashedError) as e:
+        collect(session, Request.raw("你好"), GREEDY)
+    assert "crashed" in e.value.message and "SIGABRT" in e.value.message
+    session.close()
+    # This process is fine and can load another model.
+    ok = api.load(str(stories), LoadOptions(n_ctx=64))
+    try:
+        assert collect(ok, Request.raw("Once"), GenerationParams(temperature=0, max_tokens=2))[1].completion_tokens == 2
+    finally:
+        ok.close()
