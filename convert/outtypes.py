@@ -1,0 +1,127 @@
+"""Output types: the four written directly, and every llama.cpp quantization type."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import LlamaFileType as F
+
+from convert.errors import ConvertError
+from convert.source import DTYPES
+
+# Written by the converter itself (numpy / gguf-py).
+DIRECT: dict[str, Q] = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+DIRECT_FTYPE: dict[Q, F] = {
+    Q.F32: F.ALL_F32,
+    Q.F16: F.MOSTLY_F16,
+    Q.BF16: F.MOSTLY_BF16,
+    Q.Q8_0: F.MOSTLY_Q8_0,
+}
+
+# Made by llama.cpp's llama_model_quantize from an F16/BF16 intermediate.
+LLAMA_CPP: dict[str, F] = {
+    name.lower(): F[f"MOSTLY_{name}"]
+    for name in (
+        "Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q2_K_S Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K "
+        "IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ2_M IQ3_XXS IQ3_XS IQ3_S IQ3_M IQ4_NL IQ4_XS TQ1_0 TQ2_0"
+    ).split()
+}
+ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
+# llama.cpp refuses these without an importance matrix.
+NEEDS_IMATRIX = {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k_s"}
+
+# Main tensor type of each llama.cpp file type, for size estimates only.
+_MAIN_TYPE: dict[str, Q] = {
+    "q4_0": Q.Q4_0,
+    "q4_1": Q.Q4_1,
+    "q5_0": Q.Q5_0,
+    "q5_1": Q.Q5_1,
+    "q2_k": Q.Q2_K,
+    "q2_k_s": Q.Q2_K,
+    "q3_k_s": Q.Q3_K,
+    "q3_k_m": Q.Q3_K,
+    "q3_k_l": Q.Q4_K,
+    "q4_k_s": Q.Q4_K,
+    "q4_k_m": Q.Q4_K,
+    "q5_k_s": Q.Q5_K,
+    "q5_k_m": Q.Q5_K,
+    "q6_k": Q.Q6_K,
+    "iq1_s": Q.IQ1_S,
+    "iq1_m": Q.IQ1_M,
+    "iq2_xxs": Q.IQ2_XXS,
+    "iq2_xs": Q.IQ2_XS,
+    "iq2_s": Q.IQ2_S,
+    "iq2_m": Q.IQ2_S,
+    "iq3_xxs": Q.IQ3_XXS,
+    "iq3_xs": Q.IQ3_S,
+    "iq3_s": Q.IQ3_S,
+    "iq3_m": Q.IQ3_S,
+    "iq4_nl": Q.IQ4_NL,
+    "iq4_xs": Q.IQ4_XS,
+    "tq1_0": Q.TQ1_0,
+    "tq2_0": Q.TQ2_0,
+}
+
+
+def all_outtypes() -> list[str]:
+    """Every accepted --outtype value."""
+    return ["auto", *DIRECT, *LLAMA_CPP]
+
+
+def normalize(outtype: str) -> str:
+    """Lower-case, resolve aliases, and reject unknown names."""
+    name = ALIASES.get(outtype.lower(), outtype.lower())
+    if name not in DIRECT and name not in LLAMA_CPP and name != "auto":
+        raise ConvertError(
+            f"unknown output type {outtype!r}",
+            f"choose one of: {', '.join(all_outtypes())}",
+        )
+    return name
+
+
+def auto_type(source_dtypes: set[str]) -> str:
+    """--outtype auto: keep a 16-bit source's precision (BF16 or F16); F32 sources become F16."""
+    return "bf16" if "BF16" in source_dtypes else "f16"
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: Q) -> Q:
+    """The GGUF type of one tensor for a directly written output type (as llama.cpp chooses)."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return Q.F32  # norms, biases, rope factors: small and sensitive
+    if outtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
+        return Q.F16  # rows that do not fill whole blocks
+    return outtype
+
+
+def nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    """Bytes of a tensor of this shape (numpy order) stored as qtype."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return n // block * size
+
+
+def estimate_quantized(n_params_2d: int, n_other_bytes: int, outtype: str) -> int:
+    """A rough size of a llama.cpp-quantized file (for the disk-space check and dry runs)."""
+    block, size = gguf.GGML_QUANT_SIZES[_MAIN_TYPE[outtype]]
+    return int(n_params_2d * size / block * 1.1) + n_other_bytes
+
+
+def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Source storage (F32, F16, BF16-as-uint16) to float32."""
+    if dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def encode(a: np.ndarray, dtype: str, qtype: Q, converted: bool = False) -> np.ndarray:
+    """A block of rows in source storage (or float32 if converted) as the bytes of qtype."""
+    src = "F32" if converted else dtype
+    if qtype == Q.F32:
+        return to_f32(a, src)
+    if qtype == Q.F16:
+        return a if src == "F16" else to_f32(a, src).astype(np.float16)
+    if qtype == Q.BF16 and src == "BF16":
+        return a
+    assert a.dtype == DTYPES[src]
+    return gguf.quants.quantize(to_f32(a, src), qtype)

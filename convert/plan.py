@@ -1,0 +1,152 @@
+"""The conversion plan: every output tensor's name, shape and type, and the file size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as Q
+
+from convert import outtypes
+from convert.archs import TensorSpec
+from convert.checkpoint import Checkpoint
+from convert.errors import ConvertError
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the output file."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order (rows first); GGUF lists it reversed
+    qtype: Q
+    nbytes: int
+    source: str
+    source_dtype: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a conversion will write."""
+
+    source: str
+    out: Path
+    arch: str
+    outtype: str  # what the user gets (e.g. q4_k_m)
+    written_type: str  # what the converter writes itself (f32/f16/bf16/q8_0)
+    tensors: tuple[PlannedTensor, ...]
+    gguf_bytes: int  # size of the directly written file
+    final_bytes: int  # estimated size of the result
+    imatrix: Path | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.outtype != self.written_type
+
+    def describe(self) -> str:
+        """A human-readable table of the plan (for --dry-run)."""
+        width = max((len(t.name) for t in self.tensors), default=10)
+        lines = [
+            f"source: {self.source}",
+            f"architecture: {self.arch}",
+            f"output: {self.out}",
+            f"type: {self.outtype}"
+            + (
+                f" (llama.cpp quantization of a {self.written_type} intermediate)"
+                if self.quantized
+                else ""
+            ),
+            "",
+            f"{'tensor':<{width}}  {'shape':<20} {'from':<5} type",
+        ]
+        for t in self.tensors:
+            shape = "x".join(str(d) for d in reversed(t.shape))
+            lines.append(f"{t.name:<{width}}  {shape:<20} {t.source_dtype:<5} {t.qtype.name}")
+        if self.quantized:
+            lines.append(
+                "(tensor types above are the intermediate's; llama.cpp picks the final mix)"
+            )
+        lines.append("")
+        lines.append(
+            f"{len(self.tensors)} tensors, output size {_human(self.final_bytes)}"
+            + (" (estimated)" if self.quantized else "")
+        )
+        return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def specs(ckpt: Checkpoint) -> list[TensorSpec]:
+    """Every output tensor, in source order, with the generated ones last."""
+    out: list[TensorSpec] = []
+    seen: set[str] = set()
+    for name, t in ckpt.tensors.items():
+        for spec in ckpt.arch.specs(name, t.shape):
+            if spec.name in seen:
+                raise ConvertError(f"two source tensors map to {spec.name!r}", f"check {name!r}")
+            seen.add(spec.name)
+            out.append(spec)
+    out += ckpt.arch.extra_tensors()
+    if not any(s.name == "token_embd.weight" for s in out):
+        raise ConvertError("the checkpoint has no token embeddings", "the weights look incomplete")
+    return out
+
+
+def build_plan(
+    ckpt: Checkpoint, out: Path, outtype: str, imatrix: Path | None = None
+) -> tuple[Plan, list[TensorSpec]]:
+    """Decide each tensor's type and the sizes."""
+    outtype = outtypes.normalize(outtype)
+    if outtype == "auto":
+        outtype = outtypes.auto_type(ckpt.source_dtypes())
+    if outtype in outtypes.DIRECT:
+        written = outtype
+        if imatrix is not None:
+            raise ConvertError(
+                f"--imatrix applies to llama.cpp quantization types, not {outtype}",
+                "drop --imatrix or pick a type such as q4_k_m",
+            )
+    else:
+        written = "bf16" if "BF16" in ckpt.source_dtypes() else "f16"
+        if outtype in outtypes.NEEDS_IMATRIX and imatrix is None:
+            raise ConvertError(
+                f"{outtype} needs an importance matrix",
+                "pass --imatrix FILE (made by llama-imatrix) or choose another type",
+            )
+        if imatrix is not None and not Path(imatrix).is_file():
+            raise ConvertError(f"imatrix file {imatrix} does not exist")
+    wtype = outtypes.DIRECT[written]
+    planned: list[PlannedTensor] = []
+    all_specs = specs(ckpt)
+    for s in all_specs:
+        qtype = outtypes.tensor_type(s.name, s.shape, wtype)
+        src_dtype = ckpt.tensors[s.source].dtype if s.source else "F32"
+        planned.append(
+            PlannedTensor(
+                s.name, s.shape, qtype, outtypes.nbytes(s.shape, qtype), s.source, src_dtype
+            )
+        )
+    gguf_bytes = sum(t.nbytes for t in planned)
+    final = gguf_bytes
+    if outtype != written:
+        big = sum(int(t.nbytes // 2) for t in planned if len(t.shape) >= 2)
+        small = sum(t.nbytes for t in planned if len(t.shape) < 2)
+        final = outtypes.estimate_quantized(big, small, outtype)
+    plan = Plan(
+        source=ckpt.name,
+        out=out,
+        arch=ckpt.arch.name,
+        outtype=outtype,
+        written_type=written,
+        tensors=tuple(planned),
+        gguf_bytes=gguf_bytes,
+        final_bytes=final,
+        imatrix=Path(imatrix) if imatrix is not None else None,
+    )
+    return plan, all_specs

@@ -1,0 +1,157 @@
+"""`localrun convert` and `localrun quantize`: checkpoints to GGUF (the `convert` package, loaded lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from localrun.errors import ConversionError, UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face model folder to GGUF",
+        description=cmd_convert.__doc__,
+    )
+    p.add_argument(
+        "src", metavar="SRC", help="Hugging Face model folder (config.json, weights, tokenizer)"
+    )
+    p.add_argument(
+        "-o", "--output", metavar="OUT", help="output .gguf (default: SRC/<name>-<TYPE>.gguf)"
+    )
+    p.add_argument(
+        "--outtype",
+        metavar="TYPE",
+        default="auto",
+        help="auto (keep F16/BF16), f32, f16, bf16, q8_0, or a llama.cpp type: q4_k_m, q5_k_m, "
+        "q6_k, iq4_xs, ...",
+    )
+    p.add_argument(
+        "--imatrix", metavar="FILE", help="importance matrix for llama.cpp quantization types"
+    )
+    p.add_argument("--name", help="name in the model store (default: from the file name)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (tensors, types, size); write nothing",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.add_argument(
+        "--no-register", action="store_true", help="do not add the result to the model store"
+    )
+    # MLX output (localrun/mlx_convert.py, through mlx-lm's converter).
+    p.add_argument("--to", choices=("gguf", "mlx"), default="gguf", help="output format (default gguf)")
+    p.add_argument("--q-bits", type=int, choices=(4, 8), help="with --to mlx: quantize to 4 or 8 bits")
+    p.add_argument("--q-group-size", type=int, default=64, metavar="N",
+                   help="with --to mlx: weights per scale, 32, 64 or 128 (default 64)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "quantize", help="re-quantize a GGUF file with llama.cpp", description=cmd_quantize.__doc__
+    )
+    p.add_argument(
+        "input", metavar="IN.gguf", help="GGUF file to quantize (F32/F16/BF16 for best quality)"
+    )
+    p.add_argument("type", metavar="TYPE", help="q8_0, q4_k_m, q5_k_m, q6_k, iq4_xs, ...")
+    p.add_argument("-o", "--output", metavar="OUT", help="output .gguf (default: IN-TYPE.gguf)")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (needed by iq1/iq2 types)")
+    p.add_argument("--name", help="name in the model store (default: from the file name)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.add_argument(
+        "--no-register", action="store_true", help="do not add the result to the model store"
+    )
+    p.set_defaults(func=cmd_quantize)
+
+
+def _convert_module() -> Any:
+    try:
+        import convert
+    except ImportError as e:
+        raise UsageError("the converter is not installed", "pip install 'localrun[convert]'") from e
+    return convert
+
+
+def _register(path: Any, name: str | None) -> None:
+    from localrun import api
+
+    info = api.add_model(path, name=name)
+    print(f"registered as {info.name}", file=sys.stderr)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a Hugging Face model folder (safetensors or pytorch_model*.bin, F32/F16/BF16) to GGUF.
+
+    Architectures: Llama (2/3.x, TinyLlama, SmolLM), Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3.
+    f32/f16/bf16/q8_0 are written directly; other types go through llama.cpp's quantizer from a
+    temporary F16/BF16 file. The result is registered in the model store and its path printed.
+
+    With --to mlx: an MLX folder through mlx-lm (weights keep their precision unless --q-bits).
+    """
+    if args.to == "mlx" or args.q_bits is not None:
+        return _convert_mlx(args)
+    convert = _convert_module()
+    try:
+        res = convert.convert(
+            args.src,
+            args.output,
+            outtype=args.outtype,
+            imatrix=args.imatrix,
+            force=args.force,
+            dry_run=args.dry_run,
+            progress=None if args.dry_run else convert.StderrProgress(),
+        )
+    except convert.ConvertError as e:
+        raise ConversionError(e.message, e.hint) from e
+    if args.dry_run:
+        print(res.plan.describe())
+        return 0
+    print(
+        f"wrote {res.path} ({res.path.stat().st_size / 1e9:.2f} GB) in {res.seconds:.1f}s",
+        file=sys.stderr,
+    )
+    if not args.no_register:
+        _register(res.path, args.name)
+    print(res.path)
+    return 0
+
+
+def _convert_mlx(args: argparse.Namespace) -> int:
+    """`convert --to mlx`: an MLX folder, registered in the store; its path on stdout."""
+    from localrun.mlx_convert import convert_to_mlx
+
+    if args.to != "mlx":
+        raise UsageError("--q-bits is for MLX output", "add --to mlx, or use --outtype for GGUF")
+    if args.outtype != "auto" or args.imatrix or args.dry_run or args.force or args.no_register:
+        raise UsageError("--outtype, --imatrix, --dry-run, --force and --no-register are for GGUF output",
+                         "with --to mlx use -o, --name, --q-bits and --q-group-size")
+    info = convert_to_mlx(args.src, args.output, q_bits=args.q_bits, q_group_size=args.q_group_size,
+                          name=args.name, progress=lambda line: print(line, file=sys.stderr))
+    print(f"registered as {info.name}", file=sys.stderr)
+    print(info.path)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Re-quantize an existing GGUF file with llama.cpp (q8_0, q4_k_m, iq4_xs, ...).
+
+    The output is written under a temporary name and renamed when complete, then registered in the
+    model store and its path printed.
+    """
+    convert = _convert_module()
+    try:
+        out = convert.quantize(
+            args.input,
+            args.output,
+            args.type,
+            imatrix=args.imatrix,
+            force=args.force,
+            progress=convert.StderrProgress(),
+        )
+    except convert.ConvertError as e:
+        raise ConversionError(e.message, e.hint) from e
+    if not args.no_register:
+        _register(out, args.name)
+    print(out)
+    return 0

@@ -1,0 +1,28 @@
+"""Fixtures of the converter tests (helpers live in convert_helpers.py)."""
+
+from __future__ import annotations
+
+import pytest
+from convert_helpers import converter_cache, llama_cpp_converter_dir, make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Build each architecture's tiny checkpoint once per session."""
+    cache: dict[tuple, tuple] = {}
+
+    def get(arch: str, **kw):  # noqa: ANN202
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            model, tok = make_checkpoint(folder, arch, **kw)
+            cache[key] = (folder, model, tok)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_converter():  # noqa: ANN201
+    """llama.cpp's convert_hf_to_gguf.py folder, from the llama-cpp-python sdist (cached)."""
+    return llama_cpp_converter_dir(converter_cache())

@@ -1,0 +1,287 @@
+"""Helpers of the converter tests: tiny random checkpoints, real tokenizers, llama.cpp probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT.parent / "shared" / "assets"
+PROBE = Path(__file__).with_name("_llama_probe.py")
+
+# Code, digits, non-Latin scripts, emoji, leading and repeated spaces.
+MIXED_TEXT = (
+    "  def add(a, b):\n    return a + b  # 12345 + 67.89\n"
+    "Привет, мир!  你好，世界 こんにちは 🦙🚀 émigré   café\t\ttabs 1000000 x² <b>ok</b>"
+)
+
+
+# Longer text for the logit checks: 99% agreement needs a few hundred positions to mean anything.
+LOGIT_TEXT = MIXED_TEXT + (
+    "\nOnce upon a time, a little robot named Bolt lived in a quiet town. Every morning he counted "
+    "the 42 birds on the roof, 7 cats in the yard and 3 dogs near the gate.\n"
+    "for (int i = 0; i < n; ++i) { total += values[i] * 2; }\n"
+    "Les élèves ont étudié l'histoire de l'Égypte ancienne pendant 3 semaines.\n"
+    "データを読み込んで、結果を表示します。 数字: 3.14159, 2.71828; 😀😃😄 — the end."
+)
+
+
+def need_asset(*parts: str) -> Path:
+    path = ASSETS.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"test asset {path} is missing (see ../shared/assets/README.md)")
+    return path
+
+
+def llama_probe(
+    model: Path,
+    *,
+    tokenize: list[str] | None = None,
+    logits: list[list[int]] | None = None,
+    generate: dict | None = None,
+    n_ctx: int = 512,
+) -> dict[str, np.ndarray]:
+    """Run llama.cpp on a GGUF in a child process and return its arrays."""
+    req_path = model.with_suffix(".probe.json")
+    out_path = model.with_suffix(".probe.npz")
+    req = {
+        "model": str(model),
+        "tokenize": tokenize,
+        "logits": logits,
+        "generate": generate,
+        "n_ctx": n_ctx,
+    }
+    req_path.write_text(json.dumps(req))
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), str(req_path), str(out_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"llama.cpp probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    with np.load(out_path) as data:
+        return {k: data[k] for k in data.files}
+
+
+# --- tiny checkpoints ---------------------------------------------------------------------------
+
+
+def _tokenizer(kind: str):  # noqa: ANN202
+    from transformers import AutoTokenizer
+
+    # AutoTokenizer on tokenizer.model keeps SentencePiece's dummy prefix (transformers 5's
+    # LlamaTokenizer class does not prepend it before a leading space, unlike sentencepiece).
+    return AutoTokenizer.from_pretrained(str(need_asset("tokenizers", kind)))
+
+
+def randomize(model, norm_center: float = 1.0, seed: int = 0, peaked: bool = False) -> None:  # noqa: ANN001
+    """Random weights everywhere, norms and biases included, so that a dropped tensor shows.
+
+    peaked: tied unit-scale embeddings dominate the residual stream, so that each position has a
+    clear winner (as trained models do); random logits over 32k tokens are near-ties everywhere.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                # Gemma's post-norms scale each block's output: keep them below the embedding.
+                center = -0.45 if peaked and norm_center == 0 and ".post_" in name else norm_center
+                p.copy_(center + (torch.rand(p.shape, generator=g) - 0.5) * 0.6)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif peaked and "embed_tokens" in name:
+                # Gemma multiplies the embeddings by sqrt(hidden): keep the residual at unit scale.
+                std = 1.0 if norm_center else p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5))
+
+
+def _config(arch: str, vocab: int, bos: int | None, eos: int | None, peaked: bool = False):  # noqa: ANN202
+    import transformers as tf
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(
+            **common,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        )
+    if arch == "mistral":
+        return tf.MistralConfig(
+            **{**common, "sliding_window": None}, head_dim=32, tie_word_embeddings=False
+        )
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if arch == "phi3":
+        return tf.Phi3Config(
+            **{**common, "num_key_value_heads": 4},
+            tie_word_embeddings=False,
+            original_max_position_embeddings=512,
+            pad_token_id=0,
+        )
+    if arch == "gemma2":
+        return tf.Gemma2Config(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        )
+    raise ValueError(arch)
+
+
+TOKENIZER_OF = {
+    "llama": "llama2-spm",
+    "mistral": "llama2-spm",
+    "phi3": "llama2-spm",
+    "gemma2": "llama2-spm",
+    "gemma3": "llama2-spm",
+    "qwen2": "qwen3",
+    "qwen3": "qwen3",
+}
+ARCHS = list(TOKENIZER_OF)
+
+
+def make_checkpoint(
+    folder: Path,
+    arch: str,
+    *,
+    dtype: str = "float32",
+    safe: bool = True,
+    shard_size: str | None = None,
+    seed: int = 0,
+    peaked: bool = False,
+):  # noqa: ANN201
+    """A random-weight checkpoint in Hugging Face layout with a real tokenizer; returns the model."""
+    import torch
+    import transformers as tf
+
+    tok = _tokenizer(TOKENIZER_OF[arch])
+    config = _config(arch, len(tok), tok.bos_token_id, tok.eos_token_id)
+    config._attn_implementation = "eager"
+    if peaked:
+        config.tie_word_embeddings = True
+    cls = tf.Gemma3ForCausalLM if arch == "gemma3" else tf.AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = cls.from_config(config) if cls is tf.AutoModelForCausalLM else cls(config)
+    if peaked:
+        model.tie_weights()
+    randomize(model, norm_center=0.0 if arch.startswith("gemma") else 1.0, seed=seed, peaked=peaked)
+    model.eval()
+    model = model.to(getattr(torch, dtype))
+    kwargs = {}
+    if shard_size:
+        kwargs["max_shard_size"] = shard_size
+    model.save_pretrained(folder, **kwargs)
+    if not safe:  # transformers 5 writes safetensors only: make the pickled layout by hand
+        for f in list(folder.glob("model*.safetensors*")):
+            f.unlink()
+        torch.save(
+            {k: v.contiguous() for k, v in model.state_dict().items()}, folder / "pytorch_model.bin"
+        )
+    tok.save_pretrained(folder)
+    return model, tok
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    """transformers' logits in float32; a folder is loaded fresh (exact rope buffers for 16-bit saves)."""
+    import torch
+
+    if isinstance(model, (str, Path)):
+        import transformers as tf
+
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, attn_implementation="eager"
+        )
+        model.eval()
+    with torch.no_grad():
+        m = model.float()
+        return m(torch.tensor([ids])).logits[0].float().numpy()
+
+
+# --- llama.cpp's own converter, from the llama-cpp-python sdist on PyPI --------------------------
+
+LLAMA_CPP_PYTHON = "0.3.36"
+
+
+def llama_cpp_converter_dir(cache: Path) -> Path:
+    """vendor/llama.cpp of the sdist (convert_hf_to_gguf.py, conversion/, gguf-py/), downloaded once."""
+    root = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                str(cache),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0 or not sdist.is_file():
+            pytest.skip(f"cannot download the llama-cpp-python sdist: {proc.stderr[-300:]}")
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix) and ("/models/" not in m.name or m.name.endswith(".py"))
+        ]
+        tar.extractall(cache, members=members, filter="data")
+    return root
+
+
+def converter_cache() -> Path:
+    base = os.environ.get("LOCALRUN_TEST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "localrun-tests"
+    )
+    return Path(base)
