@@ -197,8 +197,10 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any
     raise cur.fail(f"array '{key}' has unknown item type {item_type}")
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFMeta:
+def read_gguf(path: str | os.PathLike[str], whole_model: bool = True) -> GGUFMeta:
     """Parse and validate a GGUF file's header without loading its tensors.
+
+    whole_model=False is for the later parts of a split GGUF, which hold tensors but no model keys.
 
     Raises BadModelFileError naming the file and the problem.
     """
@@ -217,12 +219,14 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFMeta:
                     raise BadModelFileError(f"'{shown}' is truncated ({size} bytes)", "download or convert it again")
                 raise BadModelFileError(f"'{shown}' is not a GGUF file", _describe_non_gguf(head))
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(buf, shown, size)
+                return parse_gguf_header(buf, shown, size, whole_model)
     except OSError as e:
         raise BadModelFileError(f"cannot read model file '{shown}': {e.strerror or e}", "check its permissions") from e
 
 
-def _parse(buf: mmap.mmap, shown: str, size: int) -> GGUFMeta:
+def parse_gguf_header(buf: bytes | mmap.mmap, shown: str, size: int, whole_model: bool = True) -> GGUFMeta:
+    """Parse and validate a GGUF header held in `buf` (the whole file, or its first bytes when
+    `size` says how long the whole file is, as for a header read over HTTP)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if buf[:4] != GGUF_MAGIC:
@@ -297,7 +301,8 @@ def _parse(buf: mmap.mmap, shown: str, size: int) -> GGUFMeta:
                 "download or convert it again",
             )
     meta = GGUFMeta(shown, version, size, metadata, lengths, tuple(infos))
-    _check_model(meta)
+    if whole_model:
+        _check_model(meta)
     return meta
 
 

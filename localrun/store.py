@@ -7,6 +7,7 @@ Three more sources appear without any command: the starter model shipped by the
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import json
 import os
@@ -123,10 +124,27 @@ def detect_format(path: Path) -> str:
             cfg = json.loads(config.read_text())
         except (OSError, ValueError):
             cfg = {}
-        return "mlx" if "quantization" in cfg or (path / "mlx_model.safetensors").exists() else "safetensors"
+        mlx = "quantization" in cfg or (path / "mlx_model.safetensors").exists() or _saved_by_mlx(path)
+        return "mlx" if mlx else "safetensors"
     if path.is_dir() and any(path.glob("*.gguf")):
         return "gguf"
     raise BadModelFileError(f"'{path}' is not a model file or model folder", "pass a .gguf file or a model folder")
+
+
+def _saved_by_mlx(folder: Path) -> bool:
+    """Whether the folder's first safetensors file says format "mlx" in its header (mlx-lm writes that)."""
+    import struct
+
+    first = next(iter(sorted(folder.glob("*.safetensors"))), None)
+    if first is None:
+        return False
+    try:
+        with open(first, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 0 < n < 1 << 24 else {}
+    except (OSError, ValueError, struct.error):
+        return False
+    return isinstance(header, dict) and (header.get("__metadata__") or {}).get("format") == "mlx"
 
 
 class Store:
@@ -222,7 +240,7 @@ class Store:
                 infos.append(ModelInfo(name, path, fmt, source, _size(path), details={"error": e.message}))
         return infos
 
-    def names(self) -> list[str]:
+    def names(self) -> builtins.list[str]:  # `list` here would be the method above
         """Names of every model, without reading any file."""
         return [e[0] for e in self._entries()]
 
@@ -264,7 +282,9 @@ class Store:
         self, path: str | os.PathLike[str], name: str | None = None, source: str = "added", replace: bool = False
     ) -> ModelInfo:
         """Register a model file or folder in place (no copy) under a short name."""
-        p = Path(path).expanduser().resolve()
+        # Keep the path as given (absolute), not its link target: a Hugging Face snapshot link
+        # must stay a link, since llama.cpp finds the other parts of a split GGUF by name.
+        p = Path(os.path.abspath(Path(path).expanduser()))
         fmt = detect_format(p)
         if fmt == "gguf" and p.is_file():
             from localrun.modelfile import read_gguf
@@ -278,7 +298,7 @@ class Store:
             )
         with self.transaction() as data:
             existing = data["models"].get(new_name)
-            if existing and os.path.realpath(existing["path"]) != str(p) and not replace:
+            if existing and os.path.realpath(existing["path"]) != os.path.realpath(p) and not replace:
                 raise UsageError(
                     f"a model named '{new_name}' is already installed ({existing['path']})",
                     "choose another name with --name, or remove it first with 'localrun rm'",
@@ -305,8 +325,10 @@ class Store:
                 data["hidden"].append(info.name)
         if info.source == "store":
             _delete_owned(Path(info.path), self.models_dir)
-        elif info.source == "hf-cache":
-            _delete_hf_cache_file(Path(info.path))
+        elif info.source in ("hf-cache", "hub"):
+            for part in split_parts(Path(info.path)) if Path(info.path).is_file() else sorted(Path(info.path).rglob("*")):
+                if part.is_symlink() or part.is_file():
+                    _delete_hf_cache_file(part)
         return info
 
     def _info(self, name: str, path: str, fmt: str, source: str) -> ModelInfo:
@@ -342,11 +364,26 @@ def _size(path: str) -> int:
         return 0
 
 
+def split_parts(path: Path) -> list[Path]:
+    """All files of a split GGUF (`-00001-of-0000N.gguf`), or just the path itself."""
+    m = _SPLIT_RE.search(path.name)
+    if not m:
+        return [path]
+    stem = path.name[: m.start()]
+    total = int(m.group(2))
+    return [path.with_name(f"{stem}-{i:05d}-of-{total:05d}.gguf") for i in range(1, total + 1)]
+
+
 def _read_info(path: str, fmt: str) -> ModelInfo:
     if fmt == "gguf":
         from localrun.modelfile import read_gguf
 
         meta = read_gguf(path)
+        size, parameters = meta.size, meta.parameters
+        for part in split_parts(Path(path))[1:]:
+            extra = read_gguf(part, whole_model=False)  # a missing or broken part is an error now, not at run time
+            size += extra.size
+            parameters += extra.parameters
         details = {
             "metadata": meta.summary(),
             "chat_template": meta.chat_template,
@@ -358,7 +395,7 @@ def _read_info(path: str, fmt: str) -> ModelInfo:
             "gguf_version": meta.version,
         }
         return ModelInfo(
-            "", path, fmt, "", meta.size, meta.architecture, meta.parameters, meta.quantization,
+            "", path, fmt, "", size, meta.architecture, parameters, meta.quantization,
             meta.context_length, details,
         )
     folder = Path(path)
@@ -372,8 +409,19 @@ def _read_info(path: str, fmt: str) -> ModelInfo:
     qname = f"{quant.get('bits')}bit" if isinstance(quant, dict) and quant.get("bits") else cfg.get("torch_dtype") or cfg.get("dtype")
     details = {"config": cfg}
     return ModelInfo(
-        "", path, fmt, "", dir_size(folder), arch, None, qname, cfg.get("max_position_embeddings"), details
+        "", path, fmt, "", dir_size(folder), arch, _index_parameters(folder), qname, cfg.get("max_position_embeddings"),
+        details,
     )
+
+
+def _index_parameters(folder: Path) -> int | None:
+    """The parameter count mlx-lm records in model.safetensors.index.json, if any."""
+    try:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        n = index.get("metadata", {}).get("total_parameters")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(n) if isinstance(n, int) else None
 
 
 def starter_model_path() -> Path | None:

@@ -1,0 +1,169 @@
+"""Will it fit: the memory a model needs (weights, KV cache, buffers) against this machine.
+
+The GGUF header is read remotely with HTTP range requests (a few hundred KB of a multi-GB file);
+safetensors and MLX repositories are sized from config.json and their weight files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from localrun.errors import BadModelFileError, HubError
+
+FIRST_READ = 1 << 20  # the header of most GGUFs fits in 1 MiB; vocabularies can take several
+MAX_HEADER = 256 << 20
+KV_BYTES = 2  # f16 K and V caches, llama.cpp's and MLX's default
+GPU_USABLE = 0.9  # the driver, the display and the compute buffers take the rest
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the KV cache depends on."""
+
+    layers: int | None
+    kv_heads: int | None
+    key_dim: int | None
+    value_dim: int | None
+    context_length: int | None
+    architecture: str | None = None
+
+
+@dataclass(frozen=True)
+class FitEstimate:
+    """The memory a model needs at a context size, and where it fits on this machine."""
+
+    repo: str
+    files: tuple[str, ...]
+    weights_bytes: int
+    kv_cache_bytes: int
+    overhead_bytes: int
+    context: int
+    verdict: str  # "gpu", "ram" or "none"
+    ram_total: int | None
+    ram_available: int | None
+    gpu_name: str | None = None
+    gpu_bytes: int | None = None
+    architecture: str | None = None
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    @property
+    def verdict_text(self) -> str:
+        return {"gpu": f"fits on the GPU ({self.gpu_name})", "ram": "fits in RAM",
+                "none": "does not fit in this machine's memory"}[self.verdict]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "repo": self.repo, "files": list(self.files), "weights_bytes": self.weights_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes, "overhead_bytes": self.overhead_bytes,
+            "total_bytes": self.total_bytes, "context": self.context, "verdict": self.verdict,
+            "verdict_text": self.verdict_text, "ram_total": self.ram_total, "ram_available": self.ram_available,
+            "gpu_name": self.gpu_name, "gpu_bytes": self.gpu_bytes, "architecture": self.architecture,
+        }
+
+
+def read_remote_gguf(name: str, size: int, read_range: Callable[[int, int], bytes]) -> Any:
+    """Parse a remote GGUF header from its first bytes, fetching more while the header runs past them."""
+    from localrun.modelfile import parse_gguf_header
+
+    n = min(size, FIRST_READ)
+    while True:
+        buf = read_range(0, n)
+        try:
+            return parse_gguf_header(buf, name, size)
+        except BadModelFileError as e:
+            if "runs past the end" not in e.message or n >= min(size, MAX_HEADER) or len(buf) < n:
+                raise
+            n = min(size, MAX_HEADER, n * 4)
+
+
+def shape_from_gguf(meta: Any) -> Shape:
+    """Layers, KV heads and head sizes from GGUF metadata."""
+
+    def num(key: str) -> int | None:
+        value = meta.arch_value(key)
+        return int(value) if isinstance(value, int) else None
+
+    heads = num("attention.head_count")
+    embd = num("embedding_length")
+    head_dim = embd // heads if embd and heads else None
+    return Shape(
+        layers=num("block_count"),
+        kv_heads=num("attention.head_count_kv") or heads,
+        key_dim=num("attention.key_length") or head_dim,
+        value_dim=num("attention.value_length") or head_dim,
+        context_length=meta.context_length,
+        architecture=meta.architecture,
+    )
+
+
+def shape_from_config(cfg: dict[str, Any]) -> Shape:
+    """The same from a Hugging Face config.json (multimodal configs keep it under text_config)."""
+    sub = cfg.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else cfg
+    heads = text.get("num_attention_heads")
+    hidden = text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
+    arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
+    return Shape(
+        layers=text.get("num_hidden_layers"),
+        kv_heads=text.get("num_key_value_heads") or heads,
+        key_dim=head_dim,
+        value_dim=head_dim,
+        context_length=text.get("max_position_embeddings"),
+        architecture=arch,
+    )
+
+
+def kv_cache_bytes(shape: Shape, context: int) -> int:
+    """K and V for every layer and position (0 when the shape is unknown, e.g. recurrent models)."""
+    if not (shape.layers and shape.kv_heads and shape.key_dim and shape.value_dim):
+        return 0
+    return shape.layers * context * shape.kv_heads * (shape.key_dim + shape.value_dim) * KV_BYTES
+
+
+def default_context(shape: Shape, context: int | None) -> int:
+    """The context the engines load by default: the model's own, capped (LoadOptions.DEFAULT_CTX)."""
+    from localrun.generation import LoadOptions
+
+    if context:
+        return context
+    return min(shape.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+
+
+def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, context: int | None) -> FitEstimate:
+    """Compare the model's needs with this machine's RAM and GPUs."""
+    from localrun.system import gpus, ram_bytes
+
+    ctx = default_context(shape, context)
+    kv = kv_cache_bytes(shape, ctx)
+    # Compute buffers and runtime: a fixed part plus a share of the weights (llama.cpp's graphs).
+    overhead = (256 << 20) + weights // 20
+    total = weights + kv + overhead
+    ram_total, ram_available = ram_bytes()
+    gpu_name, gpu_bytes, verdict = None, None, "none"
+    for gpu in gpus():
+        capacity = gpu.get("free_bytes") or gpu.get("total_bytes")
+        if capacity and (gpu_bytes is None or capacity > gpu_bytes):
+            gpu_name, gpu_bytes = gpu.get("name"), int(capacity)
+    if gpu_bytes and total <= gpu_bytes * GPU_USABLE:
+        verdict = "gpu"
+    elif (ram_available or ram_total or 0) >= total:
+        verdict = "ram"
+    return FitEstimate(
+        repo, files, weights, kv, overhead, ctx, verdict, ram_total, ram_available, gpu_name, gpu_bytes,
+        shape.architecture,
+        {"layers": shape.layers, "kv_heads": shape.kv_heads, "key_dim": shape.key_dim,
+         "value_dim": shape.value_dim, "model_context": shape.context_length},
+    )
+
+
+def check_header_size(size: int, name: str) -> None:
+    if size < 24:
+        raise HubError(f"'{name}' is only {size} bytes, not a GGUF model", "choose another file")
