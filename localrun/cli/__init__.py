@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command group not built yet
             raise
         module.register(sub)
+        if hasattr(module, "default"):
+            parser.set_defaults(default_func=module.default)  # `localrun` alone runs it
     return parser
 
 

@@ -1,0 +1,54 @@
+"""`localrun tui` (and `localrun` alone): the terminal UI."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from localrun.cli.options import (
+    add_generation_flags,
+    add_load_flags,
+    load_options_from_args,
+    params_from_args,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tui", help="open the terminal UI (also: 'localrun' alone)", description=cmd_tui.__doc__)
+    p.add_argument("model", nargs="?", help="open straight into a chat with this model")
+    p.add_argument("--light", action="store_true", help="start with the light theme")
+    add_generation_flags(p)
+    add_load_flags(p)
+    p.set_defaults(func=cmd_tui)
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    """Open the terminal UI: Library, Discover, Chat and Convert. Generation flags become the
+    defaults of new chats; MODEL opens straight into a chat with it."""
+    app = app_from_args(args)
+    try:
+        app.run()
+    finally:
+        app.engine.close()
+    return int(app.return_code or 0)
+
+
+def app_from_args(args: argparse.Namespace) -> Any:
+    """The app with the command line's settings (flags are validated here, before the UI starts)."""
+    from tui.app import LocalrunApp
+
+    return LocalrunApp(
+        params=params_from_args(args),
+        load_options=load_options_from_args(args),
+        engine=getattr(args, "engine", None),
+        system=getattr(args, "system", None),
+        model=getattr(args, "model", None),
+        theme="textual-light" if getattr(args, "light", False) else None,
+    )
+
+
+def default(args: argparse.Namespace) -> int:
+    """`localrun` with no command: the TUI with default settings."""
+    from localrun.cli import build_parser
+
+    return cmd_tui(build_parser().parse_args(["tui"]))

@@ -1,0 +1,57 @@
+"""`localrun tui [MODEL]` takes the generation flags of `run`; `localrun` alone opens the TUI."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localrun.cli import build_parser
+from localrun.cli.tui import app_from_args, cmd_tui
+from localrun.errors import UsageError
+from tests.tui.helpers import wait_for
+
+
+def test_no_command_defaults_to_the_tui() -> None:
+    args = build_parser().parse_args([])
+    assert getattr(args, "func", None) is None
+    assert args.default_func.__module__ == "localrun.cli.tui"
+
+
+def test_generation_flags_become_the_defaults_of_new_chats(starter: Path) -> None:
+    args = build_parser().parse_args(["tui", "smollm2:135m", "--temperature", "0", "--seed", "1", "--top-k", "5",
+                                      "--max-tokens", "7", "--system", "Be brief.", "--ctx", "512"])
+    app = app_from_args(args)
+
+    async def run() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: "chat" in app.mode_screens and app.mode_screens["chat"].conversation,
+                           "the chat opened from the command line")
+            conv = app.mode_screens["chat"].conversation
+            assert conv.model == "smollm2:135m" and conv.system == "Be brief."
+            assert (conv.params.temperature, conv.params.seed, conv.params.top_k, conv.params.max_tokens) == (0, 1, 5, 7)
+            assert app.engine.options.n_ctx == 512
+
+    try:
+        asyncio.run(run())
+    finally:
+        app.engine.close()
+
+
+def test_bad_flag_values_fail_before_the_ui_starts() -> None:
+    with pytest.raises(UsageError, match="--temperature"):
+        cmd_tui(build_parser().parse_args(["tui", "--temperature", "-1"]))
+
+
+def test_unknown_model_is_a_notification(make_app: Any) -> None:
+    app = make_app(model="no-such-model:1b")
+
+    async def run() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: any(sev == "error" for sev, _ in app.notices), "the error")
+            assert "no-such-model:1b" in app.notices[-1][1] and "not installed" in app.notices[-1][1]
+            assert type(app.screen).__name__ == "LibraryScreen"  # still usable
+
+    asyncio.run(run())

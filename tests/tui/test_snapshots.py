@@ -1,0 +1,130 @@
+"""SVG snapshots of each screen at 80x24 (update with `pytest --snapshot-update`).
+
+Deterministic by construction: a fixed terminal size, model paths shown under a fixed folder,
+conversations written by the test, no generation (so no speeds or timestamps on screen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localrun import api
+from localrun.generation import GenerationParams
+from tests.tui.helpers import wait_for
+from tui.screens.chat import ChatScreen
+from tui.screens.library import LibraryScreen
+
+SIZE = (80, 24)
+REPLY = """The opposite of **hot** is *cold*. In Python:
+
+```python
+def opposite(word: str) -> str:
+    return {"hot": "cold", "up": "down"}[word]
+```
+"""
+
+
+@pytest.fixture(autouse=True)
+def fixed_model_paths(monkeypatch: pytest.MonkeyPatch, starter: Path) -> None:
+    """Show the real models' metadata, but under /models so the picture does not depend on the venv."""
+    real = api.list_models
+
+    def listed() -> list[Any]:
+        return [dataclasses.replace(m, path=f"/models/{Path(m.path).name}") for m in real()]
+
+    monkeypatch.setattr("tui.screens.library.api.list_models", listed)
+
+
+async def library_loaded(pilot: Any) -> None:
+    lib = pilot.app.mode_screens["library"]
+    assert isinstance(lib, LibraryScreen)
+    await wait_for(pilot, lambda: lib.loaded, "the library to load")
+    table = lib.query_one("#models")
+    # DataTable sizes its columns when idle; the picture must not catch it half-way.
+    await wait_for(pilot, lambda: not table._require_update_dimensions, "the table's column widths")
+    await pilot.pause()
+
+
+def saved_chat(app: Any) -> int:
+    conv = app.conversations.create("smollm2:135m", "You answer briefly.", GenerationParams(temperature=0, seed=1))
+    app.conversations.add_exchange(conv.id, "What is the opposite of hot?", REPLY,
+                                   {"prompt_tokens": 40, "completion_tokens": 50})
+    return int(conv.id)
+
+
+def test_library(snap_compare: Any, make_app: Any) -> None:
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=library_loaded)
+
+
+def test_library_light_theme(snap_compare: Any, make_app: Any) -> None:
+    assert snap_compare(make_app(theme="textual-light"), terminal_size=SIZE, run_before=library_loaded)
+
+
+def test_delete_confirmation(snap_compare: Any, make_app: Any) -> None:
+    async def before(pilot: Any) -> None:
+        await library_loaded(pilot)
+        await pilot.press("d")
+        await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ConfirmScreen", "the dialog")
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def test_help(snap_compare: Any, make_app: Any) -> None:
+    assert snap_compare(make_app(), press=["f1"], terminal_size=SIZE, run_before=library_loaded)
+
+
+async def open_saved_chat(pilot: Any) -> None:
+    cid = saved_chat(pilot.app)
+    await pilot.press("f4")
+    chat = pilot.app.mode_screens["chat"]
+    assert isinstance(chat, ChatScreen)
+    await chat.open_conversation(cid)
+    # The reply's Markdown blocks (code fence included) are mounted asynchronously.
+    await wait_for(pilot, lambda: len(chat.query("MarkdownFence")) == 1, "the rendered reply")
+    await pilot.pause()
+
+
+def test_chat(snap_compare: Any, make_app: Any) -> None:
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=open_saved_chat)
+
+
+def test_chat_settings(snap_compare: Any, make_app: Any) -> None:
+    async def before(pilot: Any) -> None:
+        await open_saved_chat(pilot)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "SettingsScreen", "the settings")
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def test_conversations(snap_compare: Any, make_app: Any) -> None:
+    async def before(pilot: Any) -> None:
+        await open_saved_chat(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ConversationsScreen", "the list")
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def test_discover(snap_compare: Any, make_app: Any) -> None:
+    assert snap_compare(make_app(), press=["f3"], terminal_size=SIZE, run_before=library_loaded)
+
+
+def test_convert(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    for folder in ("tiny-llama", "qwen3-finetune"):
+        (work / folder).mkdir(parents=True)
+    monkeypatch.chdir(work)
+
+    async def before(pilot: Any) -> None:
+        await library_loaded(pilot)
+        await pilot.press("f5")
+        tree = pilot.app.screen.query_one("#convert-tree")
+        await wait_for(pilot, lambda: len(tree.root.children) == 2, "the folder listing")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)

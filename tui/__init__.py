@@ -1,0 +1,3 @@
+"""The Textual terminal UI of localrun: library, discover, chat and convert screens."""
+
+from __future__ import annotations

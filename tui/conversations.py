@@ -1,0 +1,206 @@
+"""Chat conversations persisted in SQLite under the data directory.
+
+A turn is stored only when its reply is complete: the user message and the assistant reply are
+written in one transaction, so a cancelled or failed reply leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localrun.generation import GenerationParams
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    title TEXT NOT NULL,
+    model TEXT NOT NULL,
+    system TEXT NOT NULL DEFAULT '',
+    params TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    stats TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One stored message."""
+
+    role: str
+    content: str
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation's settings and, when loaded, its messages."""
+
+    id: int
+    title: str
+    model: str
+    system: str
+    params: GenerationParams
+    updated: float
+    turns: tuple[Turn, ...] = ()
+    message_count: int = 0
+
+    def history(self) -> list[dict[str, str]]:
+        """The messages in the shape `api.build_messages` takes."""
+        return [{"role": t.role, "content": t.content} for t in self.turns]
+
+
+def default_path() -> Path:
+    """conversations.sqlite3 under the localrun data directory."""
+    from localrun.store import home
+
+    return home() / "conversations.sqlite3"
+
+
+def _params(raw: str) -> GenerationParams:
+    try:
+        return GenerationParams.from_dict(json.loads(raw or "{}"))
+    except Exception:  # noqa: BLE001 - a settings row from another version: fall back to defaults
+        return GenerationParams()
+
+
+def _params_json(params: GenerationParams) -> str:
+    data = params.to_dict()
+    data["stop"] = list(data["stop"])
+    return json.dumps(data)
+
+
+class ConversationStore:
+    """Create, list, extend and export conversations."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        # One short-lived connection per operation: safe from worker threads and other processes.
+        db = sqlite3.connect(self.path, timeout=10)
+        try:
+            db.execute("PRAGMA foreign_keys = ON")
+            with db:
+                yield db
+        finally:
+            db.close()
+
+    def create(self, model: str, system: str = "", params: GenerationParams | None = None,
+               title: str = "New chat") -> Conversation:
+        """A new, empty conversation."""
+        now = time.time()
+        p = params or GenerationParams()
+        with self._connect() as db:
+            cur = db.execute(
+                "INSERT INTO conversations (title, model, system, params, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
+                (title, model, system, _params_json(p), now, now),
+            )
+            cid = int(cur.lastrowid or 0)
+        return Conversation(cid, title, model, system, p, now)
+
+    def list(self) -> list[Conversation]:
+        """Every conversation that has at least one turn, most recent first (without messages)."""
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT c.id, c.title, c.model, c.system, c.params, c.updated, COUNT(m.id) AS n "
+                "FROM conversations c JOIN messages m ON m.conversation_id = c.id "
+                "GROUP BY c.id ORDER BY c.updated DESC, c.id DESC"
+            ).fetchall()
+        return [Conversation(r[0], r[1], r[2], r[3], _params(r[4]), r[5], message_count=r[6]) for r in rows]
+
+    def get(self, cid: int) -> Conversation:
+        """A conversation with its messages; KeyError when it does not exist."""
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT id, title, model, system, params, updated FROM conversations WHERE id = ?", (cid,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(cid)
+            msgs = db.execute(
+                "SELECT role, content, stats FROM messages WHERE conversation_id = ? ORDER BY id", (cid,)
+            ).fetchall()
+        turns = tuple(Turn(r[0], r[1], json.loads(r[2] or "{}")) for r in msgs)
+        return Conversation(row[0], row[1], row[2], row[3], _params(row[4]), row[5], turns, len(turns))
+
+    def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None) -> Conversation:
+        """Store a complete exchange (prompt and reply) atomically; the first one titles the chat."""
+        now = time.time()
+        with self._connect() as db:
+            n = db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0]
+            db.execute(
+                "INSERT INTO messages (conversation_id, role, content, stats, created) VALUES (?, 'user', ?, '{}', ?)",
+                (cid, user, now),
+            )
+            db.execute(
+                "INSERT INTO messages (conversation_id, role, content, stats, created) VALUES (?, 'assistant', ?, ?, ?)",
+                (cid, reply, json.dumps(stats or {}), now),
+            )
+            if n == 0:
+                db.execute("UPDATE conversations SET title = ? WHERE id = ?", (_title(user), cid))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, cid))
+        return self.get(cid)
+
+    def replace_last_reply(self, cid: int, reply: str, stats: dict[str, Any] | None = None) -> Conversation:
+        """Swap the last assistant reply for a regenerated one."""
+        with self._connect() as db:
+            row = db.execute(
+                "SELECT id FROM messages WHERE conversation_id = ? AND role = 'assistant' ORDER BY id DESC LIMIT 1",
+                (cid,),
+            ).fetchone()
+            if row is None:
+                raise KeyError(cid)
+            db.execute("UPDATE messages SET content = ?, stats = ? WHERE id = ?", (reply, json.dumps(stats or {}), row[0]))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
+        return self.get(cid)
+
+    def update_settings(self, cid: int, system: str, params: GenerationParams) -> None:
+        """Save the system prompt and sampling settings of a conversation."""
+        with self._connect() as db:
+            db.execute("UPDATE conversations SET system = ?, params = ? WHERE id = ?", (system, _params_json(params), cid))
+
+    def set_model(self, cid: int, model: str) -> None:
+        """Record the model a conversation continues with."""
+        with self._connect() as db:
+            db.execute("UPDATE conversations SET model = ? WHERE id = ?", (model, cid))
+
+    def delete(self, cid: int) -> None:
+        """Delete a conversation and its messages."""
+        with self._connect() as db:
+            db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
+            db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+
+    def export_markdown(self, cid: int) -> str:
+        """The conversation as a Markdown document."""
+        conv = self.get(cid)
+        lines = [f"# {conv.title}", "", f"Model: `{conv.model}`", ""]
+        if conv.system:
+            lines += ["## System", "", conv.system, ""]
+        for t in conv.turns:
+            lines += [f"## {'You' if t.role == 'user' else 'Assistant'}", "", t.content, ""]
+        return "\n".join(lines)
+
+
+def _title(prompt: str) -> str:
+    line = " ".join(prompt.split())
+    return line if len(line) <= 48 else line[:47] + "…"

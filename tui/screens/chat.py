@@ -1,0 +1,331 @@
+"""The Chat: streamed Markdown replies, stop, regenerate, settings, saved conversations."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from localrun import api
+from localrun.errors import EngineCrashedError, LocalrunError
+from localrun.generation import GenerationParams
+from tui.conversations import Conversation
+from tui.messages import ReplyDone, ReplyFailed, ReplyText
+from tui.screens.dialogs import ConversationsScreen, SettingsScreen
+from tui.widgets.chat import AssistantMessage, StatusBar, UserMessage
+from tui.widgets.navbar import NavBar
+
+# Streamed text reaches the UI at most this often; the MarkdownStream coalesces further.
+FLUSH_INTERVAL_S = 1 / 20
+
+
+class ChatScreen(Screen[None]):
+    """One conversation with one model."""
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", show=True),
+        Binding("ctrl+r", "regenerate", "Regen"),
+        Binding("ctrl+y", "copy", "Copy"),
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+o", "conversations", "Chats"),
+        Binding("ctrl+n", "new", "New"),
+        Binding("ctrl+e", "export", "Export", show=False),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conversation: Conversation | None = None
+        self.generating = False
+        self.generation = 0
+        self.cancel = threading.Event()
+        self._stream: MarkdownStream | None = None
+        self._reply_widget: AssistantMessage | None = None
+        self._user_widget: UserMessage | None = None
+        self._pending_prompt = ""
+        self._regenerating = False
+        self.stream_updates = 0  # text pieces shown while streaming (tests, benchmark)
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("chat")
+        with VerticalScroll(id="messages"):
+            yield Static("Pick a model in the Library (F2) and press Enter to chat, or resume a saved "
+                         "conversation with Ctrl+O.", id="chat-empty", markup=False)
+        with Vertical(id="chat-bottom"):
+            yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt", disabled=True)
+            yield StatusBar()
+        yield Footer()
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    # -- opening conversations ---------------------------------------------------------------
+    async def open_model(self, model: str) -> None:
+        """Start a new conversation with a model, using the app's default settings."""
+        app: Any = self.app
+        conv = app.conversations.create(model, app.default_system or "", app.default_params)
+        await self._show_conversation(conv)
+
+    async def open_conversation(self, cid: int) -> None:
+        """Resume a saved conversation."""
+        try:
+            conv = self.app.conversations.get(cid)  # type: ignore[attr-defined]
+        except KeyError:
+            self.notify("That conversation no longer exists", severity="warning")
+            return
+        await self._show_conversation(conv)
+
+    async def _show_conversation(self, conv: Conversation) -> None:
+        if self.generating:
+            self.action_stop()
+        self.generation += 1  # replies still in flight belong to the old conversation
+        self.generating = False
+        self.conversation = conv
+        box = self.query_one("#messages", VerticalScroll)
+        await box.remove_children()
+        widgets: list[Any] = []
+        for turn in conv.turns:
+            widgets.append(UserMessage(turn.content) if turn.role == "user" else AssistantMessage(turn.content))
+        if widgets:
+            await box.mount_all(widgets)
+        box.scroll_end(animate=False)
+        prompt = self.query_one("#prompt", Input)
+        prompt.disabled = False
+        prompt.focus()
+        last = next((t.stats for t in reversed(conv.turns) if t.role == "assistant"), {})
+        used = int(last.get("prompt_tokens", 0)) + int(last.get("completion_tokens", 0))
+        self.status.show(model=conv.model, state="ready", tokens_per_second=None, context_used=used,
+                        context_length=self._context_length(conv.model))
+        self.sub_title = conv.title
+
+    def _context_length(self, model: str) -> int | None:
+        app: Any = self.app
+        if app.engine.model == model:
+            n = app.engine.info().get("n_ctx")
+            if n:
+                return int(n)
+        return None
+
+    # -- sending -----------------------------------------------------------------------------
+    @on(Input.Submitted, "#prompt")
+    async def _submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text or self.conversation is None:
+            return
+        if self.generating:
+            self.notify("A reply is still being written; Esc stops it", severity="warning")
+            return
+        event.input.value = ""
+        await self.send(text)
+
+    async def send(self, text: str) -> None:
+        """Show the prompt and stream a reply to it."""
+        assert self.conversation is not None
+        box = self.query_one("#messages", VerticalScroll)
+        self._user_widget = UserMessage(text)
+        await box.mount(self._user_widget)
+        await self._start(text, self.conversation.history(), regenerate=False)
+
+    async def _start(self, prompt: str, history: list[dict[str, str]], regenerate: bool) -> None:
+        assert self.conversation is not None
+        box = self.query_one("#messages", VerticalScroll)
+        self._reply_widget = AssistantMessage()
+        await box.mount(self._reply_widget)
+        box.scroll_end(animate=False)
+        self._stream = Markdown.get_stream(self._reply_widget)
+        self._pending_prompt = prompt
+        self._regenerating = regenerate
+        self.generation += 1
+        self.generating = True
+        self.cancel = threading.Event()
+        state = "loading model…" if self.app.engine.model != self.conversation.model else "generating…"  # type: ignore[attr-defined]
+        self.status.show(state=state, tokens_per_second=None)
+        conv = self.conversation
+        self._generate(self.generation, conv.model, prompt, conv.system, history, conv.params, self.cancel)
+
+    @work(thread=True, group="generate")
+    def _generate(self, generation: int, model: str, prompt: str, system: str, history: list[dict[str, str]],
+                  params: GenerationParams, cancel: threading.Event) -> None:
+        """The engine's token loop, off the UI thread; text is posted in coalesced pieces."""
+        engine: Any = self.app.engine  # type: ignore[attr-defined]
+        parts: list[str] = []
+        pending: list[str] = []
+        last_post = time.monotonic()
+        try:
+            session = engine.session(model)
+            self.app.call_from_thread(self._loaded, generation)
+            request = api.build_messages(prompt, system or None, history)
+            for chunk in api.generate(session, request, params, cancel):
+                if chunk.done:
+                    if pending:
+                        self.post_message(ReplyText(generation, "".join(pending)))
+                    stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
+                             "completion_tokens": chunk.completion_tokens,
+                             "tokens_per_second": round(chunk.tokens_per_second, 2)}
+                    self.post_message(ReplyDone(generation, "".join(parts), stats))
+                    return
+                parts.append(chunk.text)
+                pending.append(chunk.text)
+                now = time.monotonic()
+                if now - last_post >= FLUSH_INTERVAL_S:
+                    self.post_message(ReplyText(generation, "".join(pending)))
+                    pending.clear()
+                    last_post = now
+            self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
+        except EngineCrashedError as e:
+            engine.drop()
+            self.post_message(ReplyFailed(generation, str(e)))
+        except LocalrunError as e:
+            self.post_message(ReplyFailed(generation, str(e)))
+        except Exception as e:  # noqa: BLE001 - whatever happens, the app keeps running
+            self.post_message(ReplyFailed(generation, f"{type(e).__name__}: {e}"))
+
+    def _loaded(self, generation: int) -> None:
+        if generation == self.generation and self.generating:
+            n = self.app.engine.info().get("n_ctx")  # type: ignore[attr-defined]
+            self.status.show(state="generating…", context_length=int(n) if n else None)
+
+    async def on_reply_text(self, message: ReplyText) -> None:
+        if message.generation != self.generation or self._stream is None:
+            return
+        self.stream_updates += 1
+        await self._stream.write(message.text)
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def _finish_stream(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.generating = False
+
+    async def on_reply_done(self, message: ReplyDone) -> None:
+        if message.generation != self.generation:
+            return
+        await self._finish_stream()
+        stats = message.stats
+        if stats.get("finish_reason") == "cancelled":
+            await self._discard("Stopped; the reply was not kept")
+            return
+        assert self.conversation is not None
+        store: Any = self.app.conversations  # type: ignore[attr-defined]
+        if self._regenerating:
+            self.conversation = store.replace_last_reply(self.conversation.id, message.text, stats)
+        else:
+            self.conversation = store.add_exchange(self.conversation.id, self._pending_prompt, message.text, stats)
+        if self._reply_widget is not None:
+            self._reply_widget.text = message.text
+        self._user_widget = self._reply_widget = None
+        assert self.conversation is not None
+        self.sub_title = self.conversation.title
+        self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
+                        context_used=int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def on_reply_failed(self, message: ReplyFailed) -> None:
+        if message.generation != self.generation:
+            return
+        await self._finish_stream()
+        await self._discard(message.error, error=True)
+
+    async def _discard(self, note: str, error: bool = False) -> None:
+        """Remove the unfinished exchange from the view; the stored conversation never had it."""
+        if self._reply_widget is not None:
+            await self._reply_widget.remove()
+        if self._regenerating and self.conversation is not None:
+            last = next((t for t in reversed(self.conversation.turns) if t.role == "assistant"), None)
+            if last is not None:  # put the kept reply back
+                await self.query_one("#messages", VerticalScroll).mount(AssistantMessage(last.content))
+        elif self._user_widget is not None:
+            await self._user_widget.remove()
+            prompt = self.query_one("#prompt", Input)
+            if not prompt.value:
+                prompt.value = self._pending_prompt  # give the prompt back to edit or resend
+        self._user_widget = self._reply_widget = None
+        self.status.show(state="ready" if not error else "error")
+        self.notify(note, severity="error" if error else "information", timeout=10 if error else 4)
+
+    # -- actions -----------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.generating:
+            self.cancel.set()
+            self.status.show(state="stopping…")
+
+    async def action_regenerate(self) -> None:
+        conv = self.conversation
+        if conv is None or self.generating:
+            return
+        if len(conv.turns) < 2 or conv.turns[-1].role != "assistant":
+            self.notify("Nothing to regenerate yet", severity="warning")
+            return
+        replies = self.query(AssistantMessage)
+        if replies:
+            await replies.last().remove()
+        await self._start(conv.turns[-2].content, conv.history()[:-2], regenerate=True)
+
+    def last_reply(self) -> str | None:
+        conv = self.conversation
+        if conv is None:
+            return None
+        return next((t.content for t in reversed(conv.turns) if t.role == "assistant"), None)
+
+    def action_copy(self) -> None:
+        text = self.last_reply()
+        if text is None:
+            self.notify("No reply to copy yet", severity="warning")
+            return
+        self.app.copy_to_clipboard(text)
+        self.notify("Copied the last reply")
+
+    def action_settings(self) -> None:
+        conv = self.conversation
+        if conv is None:
+            self.notify("Open a model or a conversation first", severity="warning")
+            return
+
+        def done(result: tuple[str, GenerationParams] | None) -> None:
+            if result is None or self.conversation is None:
+                return
+            system, params = result
+            store: Any = self.app.conversations  # type: ignore[attr-defined]
+            store.update_settings(self.conversation.id, system, params)
+            self.conversation = store.get(self.conversation.id)
+            self.notify("Settings saved for this conversation")
+
+        self.app.push_screen(SettingsScreen(conv.system, conv.params), done)
+
+    def action_conversations(self) -> None:
+        store: Any = self.app.conversations  # type: ignore[attr-defined]
+
+        async def done(cid: int | None) -> None:
+            if cid is not None:
+                await self.open_conversation(cid)
+
+        self.app.push_screen(ConversationsScreen(store.list()), done)
+
+    async def action_new(self) -> None:
+        if self.conversation is None:
+            self.notify("Pick a model in the Library first", severity="warning")
+            return
+        await self.open_model(self.conversation.model)
+
+    def action_export(self) -> None:
+        conv = self.conversation
+        if conv is None or not conv.turns:
+            self.notify("Nothing to export yet", severity="warning")
+            return
+        from localrun.store import home
+
+        out = home() / "exports" / f"conversation-{conv.id}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".md.tmp")
+        tmp.write_text(self.app.conversations.export_markdown(conv.id), encoding="utf-8")  # type: ignore[attr-defined]
+        tmp.replace(out)
+        self.notify(f"Exported to {out}")

@@ -1,0 +1,198 @@
+"""The Library: installed models, their details, chat and delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from localrun import api
+from localrun.errors import LocalrunError
+from localrun.store import ModelInfo
+from tui.format import count, size
+from tui.messages import ModelsChanged
+from tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from tui.widgets.navbar import NavBar
+
+COLUMNS = ("Name", "Format", "Arch", "Params", "Quant", "Size", "Context", "Engine")
+
+
+def _engine(model: ModelInfo) -> str:
+    try:
+        return api.choose_engine(model)
+    except LocalrunError:
+        return "none"
+
+
+def details_text(model: ModelInfo, engine: str) -> str:
+    """The details pane: what the file says about itself and where it is."""
+    d = model.details
+    lines = [
+        f"{model.name}   ({model.source})",
+        f"path: {model.path}",
+        f"format: {model.format}   engine: {engine}   size: {size(model.size)}",
+        f"architecture: {model.architecture or '-'}   parameters: {count(model.parameters)}"
+        f"   quantization: {model.quantization or '-'}   context: {model.context_length or '-'}",
+    ]
+    if d.get("error"):
+        lines.append(f"error: {d['error']}")
+    meta = d.get("metadata")
+    if isinstance(meta, dict):
+        for key, value in list(meta.items())[:12]:
+            lines.append(f"{key}: {value}")
+    for key in ("tokenizer", "vocab_size", "license"):
+        if d.get(key) is not None:
+            lines.append(f"{key}: {d[key]}")
+    template = d.get("chat_template")
+    lines.append("chat template:" if template else "chat template: none (plain prompt)")
+    if template:
+        lines.append(str(template))
+    return "\n".join(lines)
+
+
+class LibraryScreen(Screen[None]):
+    """Installed models in a table with a details pane."""
+
+    BINDINGS = [
+        Binding("enter", "chat", "Chat", priority=True),
+        Binding("question_mark", "app.help", "Help", show=False),
+        Binding("d,delete", "delete", "Delete"),
+        Binding("a", "add", "Add file"),
+        Binding("r", "reload", "Reload"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.models: list[ModelInfo] = []
+        self.engines: dict[str, str] = {}
+        self.loaded = False
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("library")
+        table: DataTable[str] = DataTable(id="models", cursor_type="row", zebra_stripes=True)
+        table.add_columns(*COLUMNS)
+        yield table
+        with VerticalScroll(id="model-details"):
+            yield Static("Reading the model store…", id="details-text", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(DataTable).focus()
+        self.load_models()
+
+    @work(thread=True, exclusive=True, group="library")
+    def load_models(self, select: str | None = None) -> None:
+        """Read the store off the UI thread (GGUF headers can take a moment)."""
+        try:
+            models = api.list_models()
+            engines = {m.name: _engine(m) for m in models}
+        except LocalrunError as e:
+            self.app.call_from_thread(self.notify, str(e), severity="error", timeout=8)
+            models, engines = [], {}
+        self.app.call_from_thread(self._show, models, engines, select)
+
+    def _show(self, models: list[ModelInfo], engines: dict[str, str], select: str | None) -> None:
+        self.models, self.engines = models, engines
+        table = self.query_one(DataTable)
+        current = select or self.selected_name()
+        table.clear()
+        for m in models:
+            table.add_row(m.name, m.format, m.architecture or "-", count(m.parameters), m.quantization or "-",
+                          size(m.size), str(m.context_length or "-"), engines.get(m.name, "-"), key=m.name)
+        names = [m.name for m in models]
+        if current in names:
+            table.move_cursor(row=names.index(current))
+        self.loaded = True
+        self._update_details()
+        if not models:
+            self.query_one("#details-text", Static).update(
+                "No models installed. Find one in Discover (F3), or add a GGUF file with 'a'.")
+
+    def selected(self) -> ModelInfo | None:
+        table = self.query_one(DataTable)
+        if not self.models or table.cursor_row is None or not 0 <= table.cursor_row < len(self.models):
+            return None
+        return self.models[table.cursor_row]
+
+    def selected_name(self) -> str | None:
+        m = self.selected()
+        return m.name if m else None
+
+    def _update_details(self) -> None:
+        m = self.selected()
+        if m is not None:
+            self.query_one("#details-text", Static).update(details_text(m, self.engines.get(m.name, "-")))
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self) -> None:
+        self._update_details()
+
+    @on(DataTable.RowSelected)
+    async def _row_selected(self) -> None:
+        await self.action_chat()
+
+    async def action_chat(self) -> None:
+        m = self.selected()
+        if m is None:
+            self.notify("No model selected", severity="warning")
+            return
+        await self.app.open_chat(m.name)  # type: ignore[attr-defined]
+
+    def action_delete(self) -> None:
+        m = self.selected()
+        if m is None:
+            return
+        kept = m.source == "added"
+        question = (f"Delete '{m.name}' from the library?\n{m.path}\n"
+                    + ("The file stays on disk (it was added in place)." if kept else "The file is deleted."))
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.delete_model(m.name)
+
+        self.app.push_screen(ConfirmScreen(question), done)
+
+    @work(thread=True, group="library-delete")
+    def delete_model(self, name: str) -> None:
+        try:
+            self.app.engine.release(name)  # type: ignore[attr-defined]
+            api.remove_model(name)
+        except LocalrunError as e:
+            self.app.call_from_thread(self.notify, str(e), severity="error", timeout=8)
+            return
+        self.app.call_from_thread(self.notify, f"Deleted {name}")
+        self.app.post_message(ModelsChanged())
+
+    def action_add(self) -> None:
+        def done(path: str | None) -> None:
+            if path:
+                self.add_model(path)
+
+        self.app.push_screen(TextPromptScreen("Add a GGUF file (registered in place, not copied):",
+                                              "/path/to/model.gguf"), done)
+
+    @work(thread=True, group="library-add")
+    def add_model(self, path: str) -> None:
+        try:
+            info = api.add_model(path)
+        except LocalrunError as e:
+            self.app.call_from_thread(self.notify, str(e), severity="error", timeout=8)
+            return
+        self.app.call_from_thread(self.notify, f"Added {info.name}")
+        self.app.post_message(ModelsChanged(info.name))
+
+    def action_reload(self) -> None:
+        self.load_models()
+
+    def refresh_models(self, select: str | None = None) -> None:
+        """Reload after a change elsewhere (download, conversion, deletion)."""
+        self.load_models(select)
+
+    def row_names(self) -> list[Any]:
+        """Names in table order (for tests and the palette)."""
+        return [m.name for m in self.models]

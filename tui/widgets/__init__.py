@@ -1,0 +1,3 @@
+"""Widgets shared by the screens."""
+
+from __future__ import annotations
