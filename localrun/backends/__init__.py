@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from localrun.backends.base import Backend, Session, get_backend, backend_names, backends_for
+from localrun.backends.base import Backend, Session, backend_names, backends_for, get_backend
 
 __all__ = ["Backend", "Session", "get_backend", "backend_names", "backends_for"]

@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Any
 
-from localrun.cli.options import add_generation_flags, add_load_flags, load_options_from_args, params_from_args
+from localrun.cli.options import (
+    add_generation_flags,
+    add_load_flags,
+    load_options_from_args,
+    params_from_args,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +44,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--json needs a prompt", "pass a prompt, or '-' to read it from stdin")
     model = api.get_model(args.model)
     session = api.load(model, options, engine=args.engine)
+    if args.verbose:
+        i = session.info()
+        gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
+        print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
     try:
         if prompt is None:
             return _interactive(session, model.name, args, params)
