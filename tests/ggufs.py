@@ -9,17 +9,26 @@ from typing import Any
 import numpy as np
 
 
-def rewrite_gguf(src: Path, dst: Path, edit: Callable[[str, Any], Any]) -> Path:
-    """Copy a GGUF, passing each metadata value through edit(key, value) (None drops the key)."""
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    edit: Callable[[str, Any], Any] | None = None,
+    add: dict[str, tuple[Any, Any]] | None = None,
+    split_max_tensors: int = 0,
+) -> Path:
+    """Copy a GGUF, passing each metadata value through edit(key, value) (None drops the key)
+    and adding `add` keys as {key: (value, GGUFValueType)}; tensors are copied unchanged.
+    With split_max_tensors the copy is split like llama.cpp's gguf-split (dst names the set)."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst), arch)
+    writer = gguf.GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
+    add = add or {}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or key in add:
             continue
-        value = edit(key, field.contents())
+        value = edit(key, field.contents()) if edit else field.contents()
         if value is None:
             continue
         vtype = field.types[0]
@@ -28,6 +37,8 @@ def rewrite_gguf(src: Path, dst: Path, edit: Callable[[str, Any], Any]) -> Path:
             writer.add_key_value(key, list(value), vtype, sub_type=sub)
         else:
             writer.add_key_value(key, value, vtype)
+    for key, (value, vtype) in add.items():
+        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
                           raw_dtype=t.tensor_type)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ggufs import rewrite_gguf
 from .server import HubServer
 
 QUANTS = {"Q2_K": 10, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "F16": 1}
@@ -24,26 +25,8 @@ def write_gguf(src: Path, dst: Path, extra: dict[str, Any], split_max_tensors: i
     """Copy a GGUF with metadata overrides (uint32 values), optionally split into parts."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in extra:
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, list(field.contents()), vtype, sub_type=field.types[1])
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
-    for key, value in extra.items():
-        writer.add_key_value(key, value, gguf.GGUFValueType.UINT32)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
-                          raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rewrite_gguf(src, dst, add={k: (v, gguf.GGUFValueType.UINT32) for k, v in extra.items()},
+                 split_max_tensors=split_max_tensors)
     if split_max_tensors:
         return sorted(dst.parent.glob(dst.stem + "-*-of-*.gguf"))
     return [dst]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from localrun import api
@@ -23,6 +22,7 @@ from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import Store
 
 from ..conftest import STORIES, assets_or_skip
+from ..ggufs import rewrite_gguf
 
 ENGINES = ("llama.cpp", "mlx")
 # Plain-text roles. No BOS in the template: after a BOS written as text, llama.cpp and Hugging Face
@@ -55,29 +55,8 @@ def copy_gguf(src: Path, dst: Path, edit: dict[str, Any], chat_template: str | N
     """Copy a GGUF with metadata values replaced (None drops the key) and an optional chat template."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = edit.get(key, field.contents())
-        if value is None:
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, list(value), vtype, sub_type=field.types[1] if len(field.types) > 1 else None)
-        else:
-            writer.add_key_value(key, value, vtype)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
-                          raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    add = {"tokenizer.chat_template": (chat_template, gguf.GGUFValueType.STRING)} if chat_template is not None else {}
+    return rewrite_gguf(src, dst, lambda key, value: edit.get(key, value), add)
 
 
 def export_hf(gguf_path: Path, dst: Path) -> Path:
