@@ -7,7 +7,9 @@ import json
 import sys
 from typing import Any
 
-from localrun.cli.models import _table, human_count, human_size
+from localrun.cli.models import _table
+from localrun.format import count as human_count
+from localrun.format import size as human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:

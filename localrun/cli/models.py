@@ -7,6 +7,9 @@ import json
 import sys
 from typing import Any
 
+from localrun.format import count as human_count
+from localrun.format import size as human_size
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", aliases=["ls"], help="list installed models", description=cmd_list.__doc__)
@@ -30,26 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace a model of the same name")
     p.add_argument("--json", action="store_true", help="print the registered model as JSON")
     p.set_defaults(func=cmd_add)
-
-
-def human_size(n: int | None) -> str:
-    if not n:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return str(n)
-
-
-def human_count(n: int | None) -> str:
-    if not n:
-        return "-"
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{unit}"
-    return str(n)
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:

@@ -15,7 +15,7 @@ from textual.widgets import Button, DirectoryTree, Footer, Input, Label, Progres
 
 from localrun import api
 from localrun.errors import LocalrunError
-from tui.format import duration, size
+from localrun.format import duration, size
 from tui.messages import ModelsChanged
 from tui.widgets.navbar import NavBar
 
