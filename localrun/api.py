@@ -351,3 +351,42 @@ def pull(
     from localrun import hub
 
     return hub.pull(spec, revision, name, progress=progress, cancel=cancel, notice=notice, context=context)
+
+
+# -- Batch
+
+
+def batch(
+    session: Any,
+    rows: list[Any],
+    params: GenerationParams | None = None,
+    system: str | None = None,
+    cancel: Cancel | None = None,
+    progress: Any = None,
+) -> Generator[dict[str, Any], None, None]:
+    """Generate many rows concurrently in one loaded session, yielding each result as it finishes.
+
+    Args:
+        session: from load(); load with LoadOptions(n_parallel=N) to run N rows at once.
+        rows: localrun.batch.BatchRow values, or dicts as in a batch JSONL file
+            ({"id", "prompt" | "messages", generation settings...}).
+        params: settings for the rows that do not set their own.
+        system: the system prompt of dict rows that have none.
+        cancel: when set the engine stops; rows finished before were already yielded.
+        progress: called with localrun.batch.Progress (rows done, tokens, tokens/s).
+
+    Returns:
+        Records {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}, or
+        {"id", "error"} for a row that cannot run (bad settings, prompt longer than the context),
+        in the order rows finish.
+
+    Raises:
+        EngineCrashedError: the engine process died; records yielded so far are valid.
+        EngineError: the engine failed.
+    """
+    from localrun import batch as batching
+
+    params = params or GenerationParams()
+    parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(r, i, params, system)
+              for i, r in enumerate(rows, 1)]
+    return batching.generate(session, parsed, params, cancel, progress)

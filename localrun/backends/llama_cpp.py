@@ -18,11 +18,17 @@ from typing import Any
 
 from localrun.backends.base import Cancel
 from localrun.chat import PLAIN_STOPS, StopMatcher, render_plain, render_template
-from localrun.errors import BackendUnavailableError, BadModelFileError, ContextOverflowError, EngineError
+from localrun.errors import (
+    BackendUnavailableError,
+    BadModelFileError,
+    ContextOverflowError,
+    EngineError,
+)
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, default_threads
 from localrun.store import ModelInfo
 
 _LOG_TAIL: deque[str] = deque(maxlen=40)
+_OFFLOAD_LINES: deque[str] = deque(maxlen=4)
 _LOG_CALLBACK: Any = None  # keep the ctypes callback alive: a collected one segfaults
 
 
@@ -35,7 +41,10 @@ def _install_log_sink(llama_cpp: Any) -> None:
     @llama_cpp.llama_log_callback
     def sink(level: int, text: bytes, user_data: Any) -> None:
         if text:
-            _LOG_TAIL.append(text.decode("utf-8", errors="replace"))
+            line = text.decode("utf-8", errors="replace")
+            _LOG_TAIL.append(line)
+            if "layers to GPU" in line:
+                _OFFLOAD_LINES.append(line)
 
     _LOG_CALLBACK = sink
     llama_cpp.llama_log_set(sink, ctypes.c_void_p(0))
@@ -48,6 +57,17 @@ def last_log_error() -> str:
         if line and ("error" in line.lower() or "failed" in line.lower()):
             return line
     return ""
+
+
+def _offloaded_layers() -> str | None:
+    """'N/M' from llama.cpp's load log ("offloaded 31/31 layers to GPU"), if it said so."""
+    import re
+
+    for line in _OFFLOAD_LINES:
+        m = re.search(r"offloaded (\d+/\d+) layers to GPU", line)
+        if m:
+            return m.group(1)
+    return None
 
 
 def _import() -> Any:
@@ -109,41 +129,80 @@ class Engine:
         self.gpu_layers = self._gpu_layers(options)
         mparams.n_gpu_layers = self.gpu_layers
         _LOG_TAIL.clear()
+        _OFFLOAD_LINES.clear()
         self.model = ll.llama_model_load_from_file(model.path.encode(), mparams)
         if not self.model:
             reason = last_log_error() or "llama.cpp could not load it"
             raise BadModelFileError(f"cannot load model '{model.name}' ({model.path}): {reason}",
                                     "the file may be corrupt or of an architecture this llama.cpp build does not know")
+        self.offloaded = _offloaded_layers()
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         n_train = ll.llama_model_n_ctx_train(self.model)
-        n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+        self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)  # per sequence
         self.threads = options.n_threads or default_threads()
+        self.add_bos = bool(ll.llama_vocab_get_add_bos(self.vocab))
+        self.bos = ll.llama_vocab_bos(self.vocab)
+        self.eos = ll.llama_vocab_eos(self.vocab)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}
+        self._one = (ll.llama_token * 1)()
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.n_parallel = self.seq_ctx = 0
+        if options.n_parallel == 1:
+            self.make_context(self.n_ctx, 1)
+        # A batch engine sizes its context to the batch it is given (see llama_batch.py).
+
+    def make_context(self, n_ctx: int, n_parallel: int) -> None:
+        """(Re)create the context: n_parallel sequences of up to n_ctx tokens.
+
+        Each sequence has its own KV stream (kv_unified off): its attention then reads exactly
+        the cells it would read alone, so a sequence decoded in a batch gets bit-identical logits
+        to the same sequence decoded alone (with one sequence both layouts are the same).
+        """
+        ll, options = self.ll, self.options
+        self._free_context()
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = n_ctx * options.n_parallel
-        cparams.n_batch = min(options.n_batch, cparams.n_ctx) if options.n_parallel == 1 else max(options.n_batch, 512)
+        cparams.n_ctx = n_ctx * n_parallel
+        cparams.n_batch = min(options.n_batch, cparams.n_ctx) if n_parallel == 1 else max(options.n_batch, 512)
         cparams.n_ubatch = min(cparams.n_batch, 512)
-        cparams.n_seq_max = options.n_parallel
+        cparams.n_seq_max = n_parallel
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         cparams.no_perf = True
-        cparams.kv_unified = True
+        cparams.kv_unified = False
         if options.flash_attn is not None:
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             reason = last_log_error() or "not enough memory?"
-            ll.llama_model_free(self.model)
-            self.model = None
-            raise EngineError(f"cannot create a context of {n_ctx} tokens for '{model.name}': {reason}",
-                              "try a smaller --ctx")
-        self.n_ctx = n_ctx  # per sequence
+            if n_parallel == 1:
+                ll.llama_model_free(self.model)
+                self.model = None
+            what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
+            raise EngineError(f"cannot create a context of {what} for '{self.model_info.name}': {reason}",
+                              "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
+        self.n_parallel = n_parallel
+        self.seq_ctx = n_ctx
+        self.n_batch = cparams.n_batch
         self.mem = ll.llama_get_memory(self.ctx)
-        self.add_bos = bool(ll.llama_vocab_get_add_bos(self.vocab))
-        self.bos = ll.llama_vocab_bos(self.vocab)
-        self.eos = ll.llama_vocab_eos(self.vocab)
-        self.batch = ll.llama_batch_init(max(cparams.n_batch, options.n_parallel), 0, 1)
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self.batch = ll.llama_batch_init(max(cparams.n_batch, n_parallel), 0, 1)
+
+    def _free_context(self) -> None:
+        if self.batch is not None:
+            self.ll.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+
+    def decode_next(self, token: int) -> None:
+        """Evaluate one token of sequence 0 right after its cached tokens (the hot path)."""
+        self._one[0] = token
+        rc = self.ll.llama_decode(self.ctx, self.ll.llama_batch_get_one(self._one, 1))
+        if rc != 0:
+            raise EngineError(f"llama_decode failed (code {rc}) {last_log_error()}".strip())
 
     def _gpu_layers(self, options: LoadOptions) -> int:
         if not self.ll.llama_supports_gpu_offload():
@@ -167,6 +226,14 @@ class Engine:
         return list(buf[:n])
 
     def piece(self, token: int, special: bool = False) -> bytes:
+        if not special:
+            cached = self._pieces.get(token)
+            if cached is None:
+                cached = self._pieces[token] = self._piece(token, False)
+            return cached
+        return self._piece(token, True)
+
+    def _piece(self, token: int, special: bool) -> bytes:
         n = self.ll.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)
@@ -225,7 +292,7 @@ class Engine:
 
     def eval_prompt(self, tokens: list[int], start: int, seq: int = 0) -> None:
         """Evaluate tokens[start:] at positions start.., logits only for the last one."""
-        n_batch = self.options.n_batch if self.options.n_parallel == 1 else max(self.options.n_batch, 512)
+        n_batch = self.n_batch
         last = len(tokens) - 1
         for s in range(start, len(tokens), n_batch):
             part = range(s, min(s + n_batch, len(tokens)))
@@ -252,12 +319,7 @@ class Engine:
 
     def close(self) -> None:
         ll = self.ll
-        if getattr(self, "batch", None) is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if getattr(self, "ctx", None):
-            ll.llama_free(self.ctx)
-            self.ctx = None
+        self._free_context()
         if getattr(self, "model", None):
             ll.llama_model_free(self.model)
             self.model = None
@@ -287,6 +349,7 @@ class LlamaCppSession:
             "n_ctx": e.n_ctx,
             "n_threads": e.threads,
             "gpu_layers": e.gpu_layers,
+            "offloaded": e.offloaded,
             "n_layers": e.ll.llama_model_n_layer(e.model),
             "n_vocab": e.n_vocab,
             "chat_template": e.meta("tokenizer.chat_template") is not None,
@@ -297,6 +360,9 @@ class LlamaCppSession:
 
     def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
         e, ll = self.engine, self.engine.ll
+        if e.n_parallel != 1 or e.seq_ctx != e.n_ctx:
+            e.make_context(e.n_ctx, 1)  # this session ran a batch before
+            self.cached = []
         stops = list(params.stop)
         tokens = e.prompt_tokens(request, stops)
         if not tokens:
@@ -334,7 +400,7 @@ class LlamaCppSession:
         n_gen = 0
         pos = n_prompt
         finish = "length"
-        sample, is_eog, piece = ll.llama_sampler_sample, ll.llama_vocab_is_eog, e.piece
+        sample, is_eog, piece, decode_next = ll.llama_sampler_sample, ll.llama_vocab_is_eog, e.piece, e.decode_next
         while True:
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -351,11 +417,11 @@ class LlamaCppSession:
             if hit:
                 finish = "stop"
                 break
-            if n_gen >= budget or pos >= e.n_ctx:
+            if n_gen >= budget or pos + 1 >= e.n_ctx:
                 finish = "length"
                 break
             # Evaluate the token right away so the cached prefix always matches the KV cache.
-            e.decode([(tok, pos, 0, True)])
+            decode_next(tok)
             self.cached.append(tok)
             pos += 1
         tail = matcher.flush() + utf8.decode(b"", final=True)
@@ -371,6 +437,22 @@ class LlamaCppSession:
             decode_ms=(t2 - t1) * 1000,
             seed=seed,
         )
+
+    def batch(self, rows: list[dict[str, Any]], params: dict[str, Any],
+              cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
+        """Generate many rows concurrently as parallel sequences (see llama_batch.py).
+
+        Takes and yields JSON-style values so the worker can pass them on: rows are
+        {"id", "request", "params"?}; events are {"row": ...}, {"progress": ...}, then {"done": ...}.
+        """
+        from localrun.backends.llama_batch import BatchScheduler
+
+        self.cached = []  # the batch reuses sequence 0
+        try:
+            yield from BatchScheduler(self.engine).run(rows, params, cancel)
+        finally:
+            if self.engine.ctx:
+                self.engine.ll.llama_memory_clear(self.engine.mem, True)
 
     def close(self) -> None:
         self.engine.close()

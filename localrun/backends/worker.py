@@ -4,8 +4,10 @@ A native engine can abort the whole process on a bad file (llama.cpp throws std:
 from tokenization, for one), so localrun talks to it over pipes, as Ollama and LM Studio do:
 a crash becomes an EngineCrashedError and the caller keeps running.
 
-Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "stream" | "cancel" |
-"call" | "close", ...}. Worker -> parent: {"ok": ...}, {"chunk": {...}} or {"error": {...}}.
+Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "stream" | "batch" |
+"cancel" | "call" | "close", ...}. Worker -> parent: {"ok": ...}, {"t": text} then {"chunk": {...}}
+(stream), {"r": row} / {"p": [prompt, completion tokens]} then {"done": {...}} (batch), or
+{"error": {...}}.
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ class WorkerSession:
                     continue
                 if msg is None:
                     continue
+                text = msg.get("t")
+                if text is not None:
+                    yield Chunk(text=text)
+                    continue
                 if "error" in msg:
                     _raise_payload(msg["error"])
                 chunk = Chunk.from_dict(msg["chunk"])
@@ -192,8 +198,60 @@ class WorkerSession:
             self.chan.send({"op": "cancel"})
             while True:
                 msg = self._recv("generating with")
-                if "error" in msg or msg.get("chunk", {}).get("done"):
+                if "error" in msg or "chunk" in msg:
                     break
+            raise
+        finally:
+            self.busy = False
+
+    def batch(self, rows: list[dict[str, Any]], params: GenerationParams,
+              cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
+        """Generate many rows concurrently in the engine; yields events as rows finish.
+
+        rows are {"id", "request", "params"?} (params: a full GenerationParams dict overriding
+        `params`); events are {"row": {"id", "text", ...} | {"id", "error"}},
+        {"progress": {"prompt_tokens", "completion_tokens"}} and a last {"done": {...}}.
+        When cancel is set (or on Ctrl-C) the engine stops; rows it finished are still yielded.
+        """
+        if self.busy:
+            raise EngineError("this model is already generating", "wait for the reply to finish")
+        if self.proc.poll() is not None:
+            raise EngineError("the engine process has stopped", "load the model again")
+        self.busy = True
+        self.chan.send({"op": "batch", "rows": rows, "params": params.to_dict()})
+        cancelled = finished = False
+        try:
+            while True:
+                try:
+                    if not cancelled and cancel is not None and cancel.is_set():
+                        cancelled = True
+                        self.chan.send({"op": "cancel"})
+                    msg = self._recv("generating with", 0.05 if cancel is not None and not cancelled else None)
+                except KeyboardInterrupt:
+                    if not cancelled:
+                        cancelled = True
+                        self.chan.send({"op": "cancel"})
+                    continue
+                if msg is None:
+                    continue
+                if "r" in msg:
+                    yield {"row": msg["r"]}
+                elif "p" in msg:
+                    yield {"progress": {"prompt_tokens": msg["p"][0], "completion_tokens": msg["p"][1]}}
+                elif "error" in msg:
+                    finished = True
+                    _raise_payload(msg["error"])
+                elif "done" in msg:
+                    finished = True
+                    yield {"done": msg["done"]}
+                    return
+        except GeneratorExit:
+            if not finished:
+                self.chan.send({"op": "cancel"})
+                while True:
+                    msg = self._recv("generating with")
+                    if "error" in msg or "done" in msg:
+                        break
             raise
         finally:
             self.busy = False
@@ -236,6 +294,50 @@ class _PipeCancel:
         return self.flag
 
 
+def _batch_events(session: Any, rows: list[dict[str, Any]], params: dict[str, Any],
+                  cancel: _PipeCancel, n_parallel: int) -> Iterator[dict[str, Any]]:
+    """The session's batch events; engines whose batch() returns every result at once (MLX) run
+    groups of n_parallel rows with the same settings, so finished groups come back as they end."""
+    import inspect
+    import time
+
+    if inspect.isgeneratorfunction(type(session).batch):
+        yield from session.batch(rows, params, cancel)
+        return
+    t0 = time.perf_counter()
+    size = max(1, n_parallel)
+    totals = [0, 0]
+    i = 0
+    while i < len(rows) and not cancel.is_set():
+        group = [rows[i]]
+        while len(group) < size and i + len(group) < len(rows) and \
+                rows[i + len(group)].get("params") == rows[i].get("params"):
+            group.append(rows[i + len(group)])
+        i += len(group)
+        gp = group[0].get("params") or params
+        try:
+            results = session.batch([r["request"] for r in group], gp, cancel)
+        except LocalrunError:
+            if len(group) == 1:
+                raise
+            # One bad row fails the whole group: run them one by one to find it.
+            results = []
+            for r in group:
+                try:
+                    results.extend(session.batch([r["request"]], gp, cancel))
+                except LocalrunError as e:
+                    results.append({"error": str(e)})
+        if cancel.is_set():
+            break
+        for r, res in zip(group, results, strict=True):
+            totals[0] += res.get("prompt_tokens", 0)
+            totals[1] += res.get("completion_tokens", 0)
+            yield {"row": {"id": r.get("id"), **res}}
+        yield {"progress": {"prompt_tokens": totals[0], "completion_tokens": totals[1]}}
+    yield {"done": {"prompt_tokens": totals[0], "completion_tokens": totals[1], "reused_tokens": 0,
+                    "cancelled": cancel.is_set(), "seconds": time.perf_counter() - t0}}
+
+
 def serve() -> None:
     """The worker's main loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which cancels
@@ -243,6 +345,7 @@ def serve() -> None:
     os.dup2(2, 1)  # stray prints from native code must not corrupt the protocol
     chan = _Channel(0, proto)
     session: Any = None
+    n_parallel = 1
     while True:
         msg = chan.recv()
         if msg is None:
@@ -255,15 +358,33 @@ def serve() -> None:
                 from localrun.backends.base import get_backend
 
                 model = ModelInfo(**msg["model"])
-                session = get_backend(msg["backend"]).load(model, LoadOptions(**msg["options"]))
+                options = LoadOptions(**msg["options"])
+                session = get_backend(msg["backend"]).load(model, options)
+                n_parallel = options.n_parallel
                 chan.send({"ok": session.info()})
             elif op == "stream":
                 cancel = _PipeCancel(chan)
+                send = chan.send
                 for chunk in session.stream(Request.from_dict(msg["request"]),
                                             GenerationParams.from_dict(msg["params"]), cancel):
-                    if chunk.done and cancel.flag:
-                        chunk = Chunk(**{**chunk.to_dict(), "finish_reason": "cancelled"})
-                    chan.send({"chunk": chunk.to_dict()})
+                    if not chunk.done:
+                        send({"t": chunk.text})  # the per-token message stays tiny
+                        continue
+                    final = chunk.to_dict()
+                    if cancel.flag:
+                        final["finish_reason"] = "cancelled"
+                    send({"chunk": final})
+            elif op == "batch":
+                cancel = _PipeCancel(chan)
+                send = chan.send
+                for event in _batch_events(session, msg["rows"], msg["params"], cancel, n_parallel):
+                    if "row" in event:
+                        send({"r": event["row"]})
+                    elif "progress" in event:
+                        p = event["progress"]
+                        send({"p": [p["prompt_tokens"], p["completion_tokens"]]})
+                    else:
+                        send({"done": {**event["done"], "cancelled": cancel.flag}})
             elif op == "call":
                 chan.send({"ok": getattr(session, msg["method"])(*msg.get("args", []))})
             elif op == "system_info":

@@ -1,0 +1,346 @@
+"""Many prompts through one model at once: input rows, resume, output files, progress.
+
+Input is JSONL ({"id", "prompt" | "messages", optional generation settings} per line) or plain
+text (one prompt per line, ids are line numbers). The engine runs rows concurrently and hands
+each back as it finishes; each is written and flushed at once, so a crash loses no finished row,
+and --resume skips the ids already in the output. A bad row becomes {"id", "error"}.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import IO, Any
+
+from localrun.backends.base import Cancel
+from localrun.errors import LocalrunError, UsageError
+from localrun.generation import GenerationParams, Request
+
+FORMATS = ("jsonl", "csv")
+CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+ROW_KEYS = ("id", "prompt", "messages", "system")
+SETTINGS = tuple(f.name for f in fields(GenerationParams))
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One input row: what to generate (or why it cannot run) and its own settings, if any."""
+
+    id: Any
+    line: int
+    request: Request | None = None
+    params: GenerationParams | None = None  # None: the batch's settings
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a running batch stands."""
+
+    rows_done: int
+    rows_total: int
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens over wall time."""
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def key(row_id: Any) -> str:
+    """How ids are compared (CSV output reads every id back as text)."""
+    return str(row_id)
+
+
+# -- input ---------------------------------------------------------------------------------------
+
+
+def _request(prompt: str | None, messages: Any, system: str | None, raw: bool) -> Request:
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise UsageError("'prompt' must be a string")
+        if not prompt.strip():
+            raise UsageError("the prompt is empty")
+        if raw:
+            return Request.raw(f"{system}\n\n{prompt}" if system else prompt)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return Request.chat(msgs)
+    if not isinstance(messages, list) or not messages:
+        raise UsageError("'messages' must be a non-empty list of {role, content}")
+    if system and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": system}, *messages]
+    return Request.chat(messages)
+
+
+def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationParams | None:
+    """The row's own generation settings over the batch's, or None when it has none."""
+    own = {k: v for k, v in row.items() if k not in ROW_KEYS}
+    if not own:
+        return None
+    unknown = sorted(k for k in own if k not in SETTINGS)
+    if unknown:
+        raise UsageError(f"unknown setting(s) {', '.join(map(repr, unknown))}", f"known: {', '.join(SETTINGS)}")
+    base = defaults.to_dict()
+    for name, value in own.items():
+        if name == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+                raise UsageError(f"invalid value for stop: {own[name]!r}", "expected a string or a list of strings")
+            value = tuple(value)
+        elif value is not None or name not in ("seed", "max_tokens"):
+            want: tuple[type, ...] = (int,) if isinstance(base[name], int) or name in ("seed", "max_tokens") else (int, float)
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise UsageError(f"invalid value for {name}: {value!r}", "expected a number")
+        base[name] = value
+    return GenerationParams.from_dict(base)
+
+
+_ID_IN_BROKEN_JSON = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
+
+
+def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, system: str | None = None,
+              raw: bool = False) -> BatchRow:
+    """Validate one JSON row; a row that cannot run gets an error instead of a request."""
+    defaults = defaults or GenerationParams()
+    if not isinstance(data, dict):
+        return BatchRow(line, line, error=f"line {line}: expected a JSON object with an id and a prompt or messages")
+    row_id = data.get("id", line)
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        return BatchRow(line, line, error=f"line {line}: 'id' must be a string or an integer, not {row_id!r}")
+    has_prompt, has_messages = data.get("prompt") is not None, data.get("messages") is not None
+    if has_prompt == has_messages:
+        what = "both 'prompt' and 'messages'" if has_prompt else "neither 'prompt' nor 'messages'"
+        return BatchRow(row_id, line, error=f"line {line}: the row has {what}; give exactly one")
+    row_system = data.get("system", system)
+    try:
+        if row_system is not None and not isinstance(row_system, str):
+            raise UsageError("'system' must be a string")
+        request = _request(data.get("prompt"), data.get("messages"), row_system, raw)
+        params = _settings(data, defaults)
+    except LocalrunError as e:
+        return BatchRow(row_id, line, error=f"line {line}: {e}")
+    return BatchRow(row_id, line, request, params)
+
+
+def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, system: str | None = None,
+                raw: bool = False) -> list[BatchRow]:
+    """Rows from JSONL or text lines (blank lines skipped; text ids are 1-based line numbers)."""
+    rows: list[BatchRow] = []
+    for n, line in enumerate(lines, 1):
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if fmt == "text":
+            rows.append(BatchRow(n, n, _request(text, None, system, raw)))
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            m = _ID_IN_BROKEN_JSON.search(text)
+            row_id: Any = json.loads(m.group(1)) if m else n
+            rows.append(BatchRow(row_id, n, error=f"line {n}: invalid JSON ({e.msg} at column {e.colno})"))
+            continue
+        rows.append(parse_row(data, n, defaults, system, raw))
+    seen: dict[str, int] = {}
+    for r in rows:
+        if r.request is None:
+            continue
+        first = seen.setdefault(key(r.id), r.line)
+        if first != r.line:
+            raise UsageError(f"id {r.id!r} appears on lines {first} and {r.line} of the input",
+                             "ids must be unique, so that --resume can tell rows apart")
+    return rows
+
+
+def input_format(path: str, first_line: str) -> str:
+    """'jsonl' or 'text', from the file name, else from the first non-blank line."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if suffix in (".txt", ".text", ".md"):
+        return "text"
+    return "jsonl" if first_line.lstrip().startswith("{") else "text"
+
+
+def read_input(path: str, defaults: GenerationParams, system: str | None = None, raw: bool = False) -> list[BatchRow]:
+    """Read and validate every row of an input file ('-' reads stdin)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"input file '{path}' does not exist", "pass a JSONL or text file with --input") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read input file '{path}': {e}") from e
+    lines = text.splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    rows = parse_lines(lines, input_format(path, first), defaults, system, raw)
+    if not rows:
+        raise UsageError(f"input file '{path}' has no rows", "write one JSON object or one prompt per line")
+    return rows
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def output_format(path: str, fmt: str | None) -> str:
+    """The --format, or csv for a .csv output, else jsonl."""
+    if fmt is not None:
+        return fmt
+    return "csv" if Path(path).suffix.lower() == ".csv" else "jsonl"
+
+
+def finished_ids(path: str, fmt: str) -> set[str]:
+    """Ids already in an output file; a row cut off by a crash is removed from the file."""
+    p = Path(path)
+    if not p.exists():
+        return set()
+    data = p.read_bytes().decode("utf-8", errors="replace")
+    ids: set[str] = set()
+    good = 0  # characters up to the end of the last complete row
+    if fmt == "jsonl":
+        for line in data.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break
+            good += len(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and "id" in obj:
+                ids.add(key(obj["id"]))
+    else:
+        lines = iter(data.splitlines(keepends=True))
+        consumed = [0]
+
+        def feed() -> Iterator[str]:
+            for line in lines:
+                consumed[0] += len(line)
+                yield line
+
+        reader = csv.reader(feed())
+        try:
+            for i, rec in enumerate(reader):
+                complete = data[:consumed[0]].endswith("\n") and len(rec) == len(CSV_COLUMNS)
+                if not complete:
+                    break
+                good = consumed[0]
+                if i > 0 or rec[0] != "id":
+                    ids.add(rec[0])
+        except csv.Error:
+            pass
+    if good < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(len(data[:good].encode("utf-8")))
+    return ids
+
+
+class Writer:
+    """Writes result records to a JSONL or CSV file (or stdout), one flushed row at a time."""
+
+    def __init__(self, path: str, fmt: str, append: bool) -> None:
+        self.fmt = fmt
+        self.stdout = path == "-"
+        if self.stdout:
+            self.f: IO[str] = sys.stdout
+        else:
+            try:
+                self.f = open(path, "a" if append else "w", encoding="utf-8", newline="")
+            except OSError as e:
+                raise UsageError(f"cannot write output file '{path}': {e.strerror or e}") from e
+        if fmt == "csv" and (self.stdout or self.f.tell() == 0):
+            self._csv_row(CSV_COLUMNS)
+
+    def _csv_row(self, values: Iterable[Any]) -> None:
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(values)
+        self.f.write(buf.getvalue())
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.fmt == "csv":
+            self._csv_row("" if record.get(c) is None else record.get(c) for c in CSV_COLUMNS)
+        else:
+            self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if not self.stdout:
+            self.f.close()
+
+
+def check_output(path: str, resume: bool) -> None:
+    """Refuse to overwrite a non-empty output unless resuming it."""
+    if path == "-":
+        if resume:
+            raise UsageError("--resume needs an output file", "pass --output FILE")
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"output '{path}' is a folder", "pass a file name with --output")
+    if not resume and p.exists() and p.stat().st_size > 0:
+        raise UsageError(f"output file '{path}' already exists",
+                         "pass --resume to continue it, or remove it to start over")
+    if not p.parent.exists():
+        raise UsageError(f"the folder of output file '{path}' does not exist")
+    if resume and p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"cannot write output file '{path}'")
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def _record(row: dict[str, Any]) -> dict[str, Any]:
+    if "error" in row:
+        return {"id": row.get("id"), "error": row["error"]}
+    return {"id": row.get("id"), "text": row.get("text", ""), "finish_reason": row.get("finish_reason"),
+            "prompt_tokens": row.get("prompt_tokens", 0), "completion_tokens": row.get("completion_tokens", 0)}
+
+
+def generate(session: Any, rows: list[BatchRow], params: GenerationParams, cancel: Cancel | None = None,
+             progress: Callable[[Progress], None] | None = None) -> Generator[dict[str, Any], None, None]:
+    """Run rows through a loaded session; yield a result record as each row finishes.
+
+    Bad rows come first as {"id", "error"}; the others as {"id", "text", "finish_reason",
+    "prompt_tokens", "completion_tokens"} in the order they finish.
+    """
+    t0 = time.perf_counter()
+    done = prompt = completion = 0
+    total = len(rows)
+
+    def tick(p: int, c: int) -> None:
+        if progress is not None:
+            progress(Progress(done, total, p, c, time.perf_counter() - t0))
+
+    for r in rows:
+        if r.error is not None:
+            done += 1
+            yield {"id": r.id, "error": r.error}
+    tick(0, 0)
+    runnable = [{"id": r.id, "request": r.request.to_dict(), "params": r.params.to_dict() if r.params else None}
+                for r in rows if r.request is not None]
+    if not runnable:
+        return
+    lines = {key(r.id): r.line for r in rows if r.request is not None}
+    finished = 0  # tokens generated by finished rows; the engine's count includes running rows
+    for event in session.batch(runnable, params, cancel):
+        if "row" in event:
+            rec = _record(event["row"])
+            if "error" in rec and key(rec["id"]) in lines:
+                rec["error"] = f"line {lines[key(rec['id'])]}: {rec['error']}"
+            done += 1
+            prompt += rec.get("prompt_tokens", 0)
+            finished += rec.get("completion_tokens", 0)
+            completion = max(completion, finished)
+            yield rec
+            tick(prompt, completion)
+        elif "progress" in event:
+            completion = max(completion, event["progress"]["completion_tokens"])
+            tick(prompt, completion)

@@ -1,0 +1,167 @@
+"""`localrun batch`: many prompts through one model at once, resumable."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from localrun.cli.options import (
+    add_generation_flags,
+    add_load_flags,
+    load_options_from_args,
+    params_from_args,
+)
+
+DEFAULT_PARALLEL = 16
+MAX_PARALLEL = 256
+
+
+def _parallel(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of sequences, got {value!r}") from None
+    if not 1 <= n <= MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_PARALLEL}, got {n}")
+    return n
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="run many prompts at once (JSONL or text in, JSONL or CSV out)",
+                       description=cmd_batch.__doc__)
+    p.add_argument("model", help="model name (see 'localrun list') or path to a .gguf file")
+    p.add_argument("--input", "-i", required=True, metavar="IN",
+                   help="JSONL ({\"id\", \"prompt\" | \"messages\", settings...} per line) or text (one prompt per line); '-' is stdin")
+    p.add_argument("--output", "-o", required=True, metavar="OUT", help="where results go, one row each as it finishes; '-' is stdout")
+    p.add_argument("--format", choices=("jsonl", "csv"), help="output format (default: csv for a .csv file, else jsonl)")
+    p.add_argument("--resume", action="store_true", help="skip the ids already in OUT and append the others")
+    p.add_argument("--parallel", "-p", type=_parallel, default=DEFAULT_PARALLEL, metavar="N",
+                   help=f"rows generated at once (default {DEFAULT_PARALLEL})")
+    p.add_argument("--raw", action="store_true", help="complete prompts as plain text, without the chat template")
+    add_generation_flags(p)
+    add_load_flags(p)
+    p.set_defaults(func=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Generate a reply for every row of IN with MODEL, running up to N rows at once, and write
+    each to OUT as it finishes. Rows keep their ids (text input: line numbers); a bad row gets
+    {"id", "error"} and the others go on. Ctrl-C stops with every finished row written; --resume
+    continues. Exit status 1 if any row failed."""
+    from localrun import api
+    from localrun import batch as batching
+
+    params = params_from_args(args)
+    options = load_options_from_args(args, n_parallel=args.parallel)
+    fmt = batching.output_format(args.output, args.format)
+    batching.check_output(args.output, args.resume)
+    rows = batching.read_input(args.input, params, args.system, args.raw)
+    total = len(rows)
+    if args.resume:
+        done = batching.finished_ids(args.output, fmt)
+        rows = [r for r in rows if batching.key(r.id) not in done]
+    skipped = total - len(rows)
+    report = _Report(len(rows), skipped)
+    if not rows:
+        report.summary()
+        return 0
+    model = api.get_model(args.model)
+    session = api.load(model, options, engine=args.engine)
+    writer = batching.Writer(args.output, fmt, append=args.resume)
+    cancel = threading.Event()
+    previous = _on_ctrl_c(cancel)
+    try:
+        for record in api.batch(session, rows, params, cancel=cancel, progress=report.progress):
+            writer.write(record)
+            report.row(record)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        writer.close()
+        report.close()
+        session.close()
+    report.summary(cancelled=cancel.is_set())
+    if cancel.is_set():
+        return 130
+    return 1 if report.failed else 0
+
+
+def _on_ctrl_c(cancel: threading.Event) -> Any:
+    """First Ctrl-C stops the batch cleanly (finished rows stay written); a second one aborts."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+        print("\nlocalrun: stopping; finished rows are written (Ctrl-C again to abort)", file=sys.stderr)
+
+    return signal.signal(signal.SIGINT, handler)
+
+
+class _Report:
+    """Progress on stderr (a bar on a terminal, a line now and then otherwise) and the summary."""
+
+    def __init__(self, total: int, skipped: int) -> None:
+        self.total, self.skipped = total, skipped
+        self.ok = self.failed = self.prompt_tokens = self.completion_tokens = 0
+        self.t0 = time.perf_counter()
+        self.last: Any = None
+        self.printed = 0.0
+        self.bar: Any = None
+        self.task: Any = None
+        if sys.stderr.isatty() and total:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(TextColumn("rows"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("rows", total=total, speed="")
+            self.bar.start()
+
+    def row(self, record: dict[str, Any]) -> None:
+        if "error" in record:
+            self.failed += 1
+        else:
+            self.ok += 1
+            self.prompt_tokens += record["prompt_tokens"]
+            self.completion_tokens += record["completion_tokens"]
+
+    def progress(self, p: Any) -> None:
+        self.last = p
+        speed = f"{p.tokens_per_second:.1f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=p.rows_done, speed=speed)
+            return
+        now = time.perf_counter()
+        if p.rows_done and (now - self.printed >= 1.0 or p.rows_done == p.rows_total):
+            self.printed = now
+            print(f"localrun batch: {p.rows_done}/{p.rows_total} rows, {p.completion_tokens} tokens, {speed}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def summary(self, cancelled: bool = False) -> None:
+        wall = time.perf_counter() - self.t0
+        rate = self.completion_tokens / wall if wall > 0 else 0.0
+        parts = [f"{self.ok} ok", f"{self.failed} failed"]
+        if self.skipped:
+            parts.append(f"{self.skipped} already done")
+        left = self.total - self.ok - self.failed
+        if cancelled and left:
+            parts.append(f"{left} not run (--resume continues)")
+        print(f"localrun batch: {self.total + self.skipped} rows ({', '.join(parts)}); "
+              f"{self.prompt_tokens} prompt + {self.completion_tokens} generated tokens; "
+              f"{rate:.1f} tok/s; {wall:.1f} s", file=sys.stderr, flush=True)
