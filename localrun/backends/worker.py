@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import closing
 from typing import Any
 
 from localrun import errors
@@ -156,13 +157,16 @@ class WorkerSession:
         """Run a named engine method in the worker (e.g. tokenize)."""
         return self._call({"op": "call", "method": method, "args": list(args)}, f"running {method} on")
 
-    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
+    def _exchange(self, request: dict[str, Any], cancel: Cancel | None) -> Generator[dict[str, Any], None, None]:
+        """Send one generation request and yield the worker's messages up to the final one
+        ("chunk" or "done"). A set cancel or Ctrl-C stops the engine between tokens; a consumer
+        that stops early cancels and drains, so the next request starts clean."""
         if self.busy:
             raise EngineError("this model is already generating", "wait for the reply to finish")
         if self.proc.poll() is not None:
             raise EngineError("the engine process has stopped", "load the model again")
         self.busy = True
-        self.chan.send({"op": "stream", "request": request.to_dict(), "params": params.to_dict()})
+        self.chan.send(request)
         cancelled = finished = False
         try:
             while True:
@@ -179,30 +183,30 @@ class WorkerSession:
                     continue
                 if msg is None:
                     continue
-                text = msg.get("t")
-                if text is not None:
-                    yield Chunk(text=text)
-                    continue
                 if "error" in msg:
-                    _raise_payload(msg["error"])
-                chunk = Chunk.from_dict(msg["chunk"])
-                if chunk.done:
                     finished = True
-                yield chunk
+                    _raise_payload(msg["error"])
+                finished = "chunk" in msg or "done" in msg
+                yield msg
                 if finished:
                     return
         except GeneratorExit:
-            if finished:
-                raise
-            # The consumer stopped early: cancel and drain so the next request starts clean.
-            self.chan.send({"op": "cancel"})
-            while True:
-                msg = self._recv("generating with")
-                if "error" in msg or "chunk" in msg:
-                    break
+            if not finished:
+                self.chan.send({"op": "cancel"})
+                while True:
+                    msg = self._recv("generating with")
+                    if "error" in msg or "chunk" in msg or "done" in msg:
+                        break
             raise
         finally:
             self.busy = False
+
+    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
+        message = {"op": "stream", "request": request.to_dict(), "params": params.to_dict()}
+        with closing(self._exchange(message, cancel)) as messages:
+            for msg in messages:
+                text = msg.get("t")
+                yield Chunk(text=text) if text is not None else Chunk.from_dict(msg["chunk"])
 
     def batch(self, rows: list[dict[str, Any]], params: GenerationParams,
               cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
@@ -213,48 +217,15 @@ class WorkerSession:
         {"progress": {"prompt_tokens", "completion_tokens"}} and a last {"done": {...}}.
         When cancel is set (or on Ctrl-C) the engine stops; rows it finished are still yielded.
         """
-        if self.busy:
-            raise EngineError("this model is already generating", "wait for the reply to finish")
-        if self.proc.poll() is not None:
-            raise EngineError("the engine process has stopped", "load the model again")
-        self.busy = True
-        self.chan.send({"op": "batch", "rows": rows, "params": params.to_dict()})
-        cancelled = finished = False
-        try:
-            while True:
-                try:
-                    if not cancelled and cancel is not None and cancel.is_set():
-                        cancelled = True
-                        self.chan.send({"op": "cancel"})
-                    msg = self._recv("generating with", 0.05 if cancel is not None and not cancelled else None)
-                except KeyboardInterrupt:
-                    if not cancelled:
-                        cancelled = True
-                        self.chan.send({"op": "cancel"})
-                    continue
-                if msg is None:
-                    continue
+        message = {"op": "batch", "rows": rows, "params": params.to_dict()}
+        with closing(self._exchange(message, cancel)) as messages:
+            for msg in messages:
                 if "r" in msg:
                     yield {"row": msg["r"]}
                 elif "p" in msg:
                     yield {"progress": {"prompt_tokens": msg["p"][0], "completion_tokens": msg["p"][1]}}
-                elif "error" in msg:
-                    finished = True
-                    _raise_payload(msg["error"])
                 elif "done" in msg:
-                    finished = True
                     yield {"done": msg["done"]}
-                    return
-        except GeneratorExit:
-            if not finished:
-                self.chan.send({"op": "cancel"})
-                while True:
-                    msg = self._recv("generating with")
-                    if "error" in msg or "done" in msg:
-                        break
-            raise
-        finally:
-            self.busy = False
 
     def close(self) -> None:
         if self.proc.poll() is None:
