@@ -103,7 +103,8 @@ class WorkerSession:
         )
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.chan = _Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._stderr_thread.start()
         self.busy = False
         self._info = self._call({"op": "load", "backend": backend, "model": model.to_dict(), "options": options.to_dict()},
                                 "loading the model")
@@ -235,6 +236,7 @@ class WorkerSession:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._stderr_thread.join(timeout=5)  # it ends at EOF; closing its file under it would race
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()
