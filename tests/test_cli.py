@@ -95,7 +95,7 @@ def test_store_commands(cli, stories: Path) -> None:
     table = cli("list").stdout
     assert "stories:260k" in table and "NAME" in table and "98.4 MB" in table
     shown = json.loads(cli("show", "stories:260k", "--json").stdout)
-    assert shown["path"] == str(stories.resolve()) and shown["tokenizer"] == "llama" and shown["vocab_size"] == 512
+    assert shown["path"] == os.path.abspath(stories) and shown["tokenizer"] == "llama" and shown["vocab_size"] == 512
     text = cli("show", "smollm2:135m").stdout
     assert "apache-2.0" in text and "<|im_start|>" in text and "smollm" in text
     res = cli("rm", "stories:260k")

@@ -27,8 +27,8 @@ def test_add_list_show_rm(stories: Path, isolated_home: Path) -> None:
     info = store.add(stories, name="stories:260k")
     assert info.name == "stories:260k" and info.parameters == 292800 and info.context_length == 2048
     listed = {m.name: m for m in store.list()}
-    assert listed["stories:260k"].path == str(stories.resolve())
-    assert json.loads((isolated_home / "registry.json").read_text())["models"]["stories:260k"]["path"] == str(stories.resolve())
+    assert listed["stories:260k"].path == os.path.abspath(stories)
+    assert json.loads((isolated_home / "registry.json").read_text())["models"]["stories:260k"]["path"] == os.path.abspath(stories)
     removed = store.remove("stories:260k")
     assert removed.name == "stories:260k"
     assert stories.exists(), "a model added in place must keep its file"
@@ -51,7 +51,7 @@ def test_name_conflicts_and_invalid_names(stories: Path, tmp_path: Path) -> None
     with pytest.raises(UsageError, match="already installed"):
         store.add(other, name="a:1")
     store.add(other, name="a:1", replace=True)
-    assert store.get("a:1").path == str(other.resolve())
+    assert store.get("a:1").path == os.path.abspath(other)
     with pytest.raises(UsageError, match="not a valid model name"):
         store.add(other, name="Bad Name!")
 
