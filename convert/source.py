@@ -124,19 +124,24 @@ def tensors_from_state_dict(state: Mapping[str, Any]) -> dict[str, SourceTensor]
     return out
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+def _sharded_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    """The shards an index file names (all of them must be there), else the files matching pattern."""
+    index = folder / index_name
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise ConvertError(
-                f"{folder} is missing shard(s) {', '.join(missing)} named in model.safetensors.index.json",
+                f"{folder} is missing shard(s) {', '.join(missing)} named in {index_name}",
                 "download the complete checkpoint",
             )
         return [folder / f for f in files]
-    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+    return sorted(p for p in folder.glob(pattern) if not p.name.startswith("."))
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return _sharded_files(folder, "model.safetensors.index.json", "*.safetensors")
 
 
 def _load_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
@@ -170,18 +175,7 @@ def _load_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
 
 
 def _bin_files(folder: Path) -> list[Path]:
-    index = folder / "pytorch_model.bin.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (folder / f).is_file()]
-        if missing:
-            raise ConvertError(
-                f"{folder} is missing shard(s) {', '.join(missing)} named in pytorch_model.bin.index.json",
-                "download the complete checkpoint",
-            )
-        return [folder / f for f in files]
-    return sorted(folder.glob("pytorch_model*.bin"))
+    return _sharded_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
 
 
 def load_pickle(path: Path) -> dict[str, Any]:
