@@ -131,6 +131,14 @@ class Chunk:
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
+    @classmethod
+    def final(cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, t_start: float,
+              t_prompt_done: float, t_end: float, seed: int | None) -> Chunk:
+        """The last chunk of a reply, from perf_counter() stamps at its start, after the prompt, at its end."""
+        return cls(done=True, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                   completion_tokens=completion_tokens, prompt_ms=(t_prompt_done - t_start) * 1000,
+                   decode_ms=(t_end - t_prompt_done) * 1000, seed=seed)
+
     @property
     def tokens_per_second(self) -> float:
         """Decode speed: generated tokens over the time spent generating them."""

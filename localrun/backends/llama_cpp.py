@@ -427,16 +427,7 @@ class LlamaCppSession:
         tail = matcher.flush() + utf8.decode(b"", final=True)
         if tail and finish != "cancelled":
             yield Chunk(text=tail)
-        t2 = time.perf_counter()
-        yield Chunk(
-            done=True,
-            finish_reason=finish,
-            prompt_tokens=n_prompt,
-            completion_tokens=n_gen,
-            prompt_ms=(t1 - t0) * 1000,
-            decode_ms=(t2 - t1) * 1000,
-            seed=seed,
-        )
+        yield Chunk.final(finish, n_prompt, n_gen, t0, t1, time.perf_counter(), seed)
 
     def batch(self, rows: list[dict[str, Any]], params: dict[str, Any],
               cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:

@@ -328,16 +328,7 @@ class MLXSession:
             if tail:
                 yield Chunk(text=tail)
         t2 = time.perf_counter()
-        t1 = t1 or t2
-        yield Chunk(
-            done=True,
-            finish_reason=finish,
-            prompt_tokens=n_prompt,
-            completion_tokens=n_gen,
-            prompt_ms=(t1 - t0) * 1000,
-            decode_ms=(t2 - t1) * 1000,
-            seed=seed,
-        )
+        yield Chunk.final(finish, n_prompt, n_gen, t0, t1 or t2, t2, seed)
 
     # -- batch --------------------------------------------------------------------------------
     def batch(self, requests: list[dict[str, Any]], params: dict[str, Any],
