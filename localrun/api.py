@@ -160,6 +160,41 @@ def build_messages(prompt: str, system: str | None = None, history: list[dict[st
     return Request.chat(messages)
 
 
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    outtype: str = "auto",
+    imatrix: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    dry_run: bool = False,
+    progress: Any = None,
+) -> Any:
+    """Convert a Hugging Face checkpoint folder to GGUF without registering it.
+
+    Args:
+        src: folder with config.json, weights (safetensors or pytorch_model*.bin) and tokenizer files.
+        out: output .gguf path (default: inside SRC, named after the folder and type).
+        outtype: auto, f32, f16, bf16, q8_0 or any llama.cpp quantization type (q4_k_m, ...).
+        imatrix: importance matrix file for llama.cpp quantization types.
+        force: overwrite an existing output file.
+        dry_run: only plan (the plan is in the result); nothing is written.
+        progress: called after each tensor with a convert.Progress event.
+
+    Returns:
+        convert.Result: the output path, the plan and the time taken.
+
+    Raises:
+        ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
+    """
+    import convert
+
+    try:
+        return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
+                               progress=progress)
+    except convert.ConvertError as e:
+        raise ConversionError(e.message, e.hint) from e
+
+
 def convert_model(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
@@ -169,29 +204,20 @@ def convert_model(
     force: bool = False,
     progress: Any = None,
 ) -> ModelInfo:
-    """Convert a Hugging Face checkpoint folder to GGUF and register the result.
+    """Convert a checkpoint folder to GGUF (see convert_checkpoint) and register the result.
 
     Args:
-        src: folder with config.json, weights (safetensors or pytorch_model*.bin) and tokenizer files.
-        out: output .gguf path (default: inside SRC, named after the folder and type).
-        outtype: auto, f32, f16, bf16, q8_0 or any llama.cpp quantization type (q4_k_m, ...).
-        imatrix: importance matrix file for llama.cpp quantization types.
-        name: short name in the store (default: from the output file name).
-        force: overwrite an existing output file.
-        progress: called after each tensor with a convert.Progress event.
+        name: short name in the store (default: from the output file name); the other
+            arguments are convert_checkpoint's.
 
     Returns:
         The registered model.
 
     Raises:
-        ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
+        ConversionError: the conversion failed.
+        UsageError: the name is taken (and force is not set).
     """
-    import convert
-
-    try:
-        result = convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
-    except convert.ConvertError as e:
-        raise ConversionError(e.message, e.hint) from e
+    result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
     return add_model(result.path, name=name, replace=force)
 
 

@@ -73,10 +73,10 @@ def _convert_module() -> Any:
     return convert
 
 
-def _register(path: Any, name: str | None) -> None:
+def _register(path: Any, name: str | None, replace: bool = False) -> None:
     from localrun import api
 
-    info = api.add_model(path, name=name)
+    info = api.add_model(path, name=name, replace=replace)
     print(f"registered as {info.name}", file=sys.stderr)
 
 
@@ -91,19 +91,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """
     if args.to == "mlx" or args.q_bits is not None:
         return _convert_mlx(args)
-    convert = _convert_module()
-    try:
-        res = convert.convert(
-            args.src,
-            args.output,
-            outtype=args.outtype,
-            imatrix=args.imatrix,
-            force=args.force,
-            dry_run=args.dry_run,
-            progress=None if args.dry_run else convert.StderrProgress(),
-        )
-    except convert.ConvertError as e:
-        raise ConversionError(e.message, e.hint) from e
+    from localrun import api
+
+    progress = None if args.dry_run else _convert_module().StderrProgress()
+    res = api.convert_checkpoint(args.src, args.output, outtype=args.outtype, imatrix=args.imatrix,
+                                 force=args.force, dry_run=args.dry_run, progress=progress)
     if args.dry_run:
         print(res.plan.describe())
         return 0
@@ -112,7 +104,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if not args.no_register:
-        _register(res.path, args.name)
+        _register(res.path, args.name, replace=args.force)
     print(res.path)
     return 0
 
