@@ -141,4 +141,5 @@ def test_fuzz_mutated_files_never_crash(stories: Path, tmp_path: Path) -> None:
             assert e.message
             outcomes["error"] += 1
     assert sum(outcomes.values()) == min(25, len(passed))
+    assert outcomes["ok"] > 0, "no damaged file that passed the checks was run by the engine"
     print(f"rejected {rejected}, passed {len(passed)}, engine outcomes {outcomes}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -28,7 +29,8 @@ from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, d
 from localrun.store import ModelInfo
 
 _LOG_TAIL: deque[str] = deque(maxlen=40)
-_OFFLOAD_LINES: deque[str] = deque(maxlen=4)
+_OFFLOAD_RE = re.compile(r"offloaded (\d+/\d+) layers to GPU")
+_OFFLOADED: list[str | None] = [None]  # 'N/M' from the last model load's log, if it offloaded
 _LOG_CALLBACK: Any = None  # keep the ctypes callback alive: a collected one segfaults
 
 
@@ -43,8 +45,9 @@ def _install_log_sink(llama_cpp: Any) -> None:
         if text:
             line = text.decode("utf-8", errors="replace")
             _LOG_TAIL.append(line)
-            if "layers to GPU" in line:
-                _OFFLOAD_LINES.append(line)
+            m = _OFFLOAD_RE.search(line)
+            if m:
+                _OFFLOADED[0] = m.group(1)
 
     _LOG_CALLBACK = sink
     llama_cpp.llama_log_set(sink, ctypes.c_void_p(0))
@@ -57,17 +60,6 @@ def last_log_error() -> str:
         if line and ("error" in line.lower() or "failed" in line.lower()):
             return line
     return ""
-
-
-def _offloaded_layers() -> str | None:
-    """'N/M' from llama.cpp's load log ("offloaded 31/31 layers to GPU"), if it said so."""
-    import re
-
-    for line in _OFFLOAD_LINES:
-        m = re.search(r"offloaded (\d+/\d+) layers to GPU", line)
-        if m:
-            return m.group(1)
-    return None
 
 
 def _import() -> Any:
@@ -129,13 +121,13 @@ class Engine:
         self.gpu_layers = self._gpu_layers(options)
         mparams.n_gpu_layers = self.gpu_layers
         _LOG_TAIL.clear()
-        _OFFLOAD_LINES.clear()
+        _OFFLOADED[0] = None
         self.model = ll.llama_model_load_from_file(model.path.encode(), mparams)
         if not self.model:
             reason = last_log_error() or "llama.cpp could not load it"
             raise BadModelFileError(f"cannot load model '{model.name}' ({model.path}): {reason}",
                                     "the file may be corrupt or of an architecture this llama.cpp build does not know")
-        self.offloaded = _offloaded_layers()
+        self.offloaded = _OFFLOADED[0]
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         n_train = ll.llama_model_n_ctx_train(self.model)
