@@ -241,16 +241,21 @@ class RepoListing:
     default_quant: str | None
 
 
+def _offline_files(repo: str, revision: str | None, then: str) -> tuple[str, list[RepoFile]]:
+    """(commit, files) of a repository from the cache, for HF_HUB_OFFLINE=1."""
+    cached = cached_files(repo, revision)
+    if cached is None:
+        raise HubError(f"'{repo}' is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
+                       f"unset HF_HUB_OFFLINE to {then}")
+    return cached
+
+
 def listing(spec: str, revision: str | None = None) -> RepoListing:
     """List a repository (from the cache when offline) and mark the default pull."""
     repo, _ = parse_spec(spec)
     facts: dict[str, Any] = {}
     if is_offline():
-        cached = cached_files(repo, revision)
-        if cached is None:
-            raise HubError(f"'{repo}' is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
-                           "unset HF_HUB_OFFLINE to list it from the Hub")
-        commit, files = cached
+        commit, files = _offline_files(repo, revision, "list it from the Hub")
     else:
         commit, files, facts = list_files(repo, revision)
     try:
@@ -269,11 +274,7 @@ def plan(spec: str, revision: str | None = None, name: str | None = None,
     facts: dict[str, Any] = {}
     from_cache = False
     if is_offline():
-        cached = cached_files(repo, revision)
-        if cached is None:
-            raise HubError(f"'{repo}' is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
-                           "unset HF_HUB_OFFLINE to download it")
-        commit, files = cached
+        commit, files = _offline_files(repo, revision, "download it")
         from_cache = True
     else:
         try:
