@@ -72,7 +72,7 @@ def _request(prompt: str | None, messages: Any, system: str | None, raw: bool) -
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         if raw:
-            return Request.raw(f"{system}\n\n{prompt}" if system else prompt)
+            return Request.raw(prompt, system)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return Request.chat(msgs)
     if not isinstance(messages, list) or not messages:

@@ -104,8 +104,9 @@ class Request:
         return cls(messages=tuple(parse_messages(messages)))
 
     @classmethod
-    def raw(cls, prompt: str) -> Request:
-        return cls(prompt=prompt)
+    def raw(cls, prompt: str, system: str | None = None) -> Request:
+        """Plain-text completion; a system prompt, if any, goes before it as a paragraph."""
+        return cls(prompt=f"{system}\n\n{prompt}" if system else prompt)
 
     def to_dict(self) -> dict[str, Any]:
         return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt}

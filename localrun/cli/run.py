@@ -32,6 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     when no prompt is given. '-' (or a pipe) reads the prompt from stdin."""
     from localrun import api
     from localrun.errors import UsageError
+    from localrun.generation import Request
 
     params = params_from_args(args)
     options = load_options_from_args(args)
@@ -51,16 +52,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if prompt is None:
             return _interactive(session, model.name, args, params)
-        request = api.build_messages(prompt, args.system) if not args.raw else _raw(prompt, args)
+        request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
         return _answer(session, model.name, request, params, args)
     finally:
         session.close()
-
-
-def _raw(prompt: str, args: argparse.Namespace) -> Any:
-    from localrun.generation import Request
-
-    return Request.raw(f"{args.system}\n\n{prompt}" if args.system else prompt)
 
 
 def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.Namespace) -> int:
