@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from localrun.backends.base import Cancel, backends_for, get_backend
+from localrun.backends.base import (
+    Cancel,
+    Session,
+    backend_names,
+    backends_for,
+    get_backend,
+    install_hint,
+)
 from localrun.errors import BackendUnavailableError, ConversionError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
+
+if TYPE_CHECKING:
+    from localrun.pool import Pool
 
 
 def store() -> Store:
@@ -76,7 +86,7 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
         if engine not in candidates:
             raise BackendUnavailableError(*_engine_mismatch(model, engine, candidates))
         if not get_backend(engine).available():
-            raise BackendUnavailableError(f"the {engine} engine is not installed", _INSTALL_HINTS.get(engine))
+            raise BackendUnavailableError(f"the {engine} engine is not installed", install_hint(engine))
         return engine
     for name in candidates:
         try:
@@ -87,21 +97,17 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
     if model.format == "safetensors":
         raise BackendUnavailableError(
             f"'{model.name}' is a Hugging Face safetensors checkpoint and MLX is not available here",
-            f"convert it to GGUF with 'localrun convert {model.path}', or {_INSTALL_HINTS['mlx']}",
+            f"convert it to GGUF with 'localrun convert {model.path}', or {install_hint('mlx')}",
         )
     if model.format == "mlx":
         raise BackendUnavailableError(f"'{model.name}' is an MLX model and MLX is not installed",
-                                      _INSTALL_HINTS["mlx"])
+                                      install_hint("mlx"))
     raise BackendUnavailableError(
         f"no installed engine can run '{model.name}' ({model.format} format)", "run 'localrun doctor'"
     )
 
 
-# -- engine selection messages (MLX engine, issue 6) -----------------------------------------
-_INSTALL_HINTS = {
-    "llama.cpp": "pip install llama-cpp-python, then run 'localrun doctor'",
-    "mlx": "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)",
-}
+# -- engine selection messages ----------------------------------------------------------------
 _FORMAT_NAMES = {"gguf": "a GGUF file", "mlx": "an MLX model folder", "safetensors": "a Hugging Face safetensors folder"}
 
 
@@ -116,16 +122,17 @@ def _engine_mismatch(model: ModelInfo, engine: str, candidates: tuple[str, ...])
     return message, "drop --engine to use the engine for its format"
 
 
-def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None) -> Any:
-    """Load a model into an isolated engine process.
+def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None) -> Session:
+    """Load a model into an isolated engine process running its engine loop.
 
     Args:
         model: a name, a path or a ModelInfo.
-        options: context size, threads, GPU layers.
+        options: context size per sequence, parallel sequences, threads, GPU layers.
         engine: force "llama.cpp" or "mlx".
 
     Returns:
-        A session with stream(request, params, cancel), info() and close().
+        A Session (stream, generate_many, tokenize, embed, info, close); safe to share between
+        threads, whose requests then run as parallel sequences.
 
     Raises:
         ModelNotFoundError, BadModelFileError, BackendUnavailableError, EngineError.
@@ -136,8 +143,26 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
     return WorkerSession(choose_engine(info, engine), info, options or LoadOptions())
 
 
+def model_pool(options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
+               keep_alive: float = 300.0) -> Pool:
+    """A pool of loaded models for a front end that serves many requests (the TUI, the server).
+
+    Args:
+        options: how each model is loaded (n_parallel sequences, max_queue waiting requests, ...).
+        engine: force "llama.cpp" or "mlx".
+        max_loaded: models loaded at once; loading another unloads the one idle longest.
+        keep_alive: default seconds a model stays loaded after its last use (negative: forever).
+
+    Returns:
+        localrun.pool.Pool: use(model, keep_alive) yields a Session; loaded(), unload(), close().
+    """
+    from localrun.pool import Pool
+
+    return Pool(options, engine, max_loaded=max_loaded, keep_alive=keep_alive)
+
+
 def generate(
-    session: Any, request: Request, params: GenerationParams | None = None, cancel: Cancel | None = None
+    session: Session, request: Request, params: GenerationParams | None = None, cancel: Cancel | None = None
 ) -> Generator[Chunk, None, None]:
     """Stream a reply from a loaded session.
 
@@ -240,14 +265,14 @@ def doctor() -> dict[str, Any]:
             packages[dist] = None
     total, available = ram_bytes()
     engines: dict[str, Any] = {}
-    for name in ("llama.cpp", "mlx"):
+    for name in backend_names():
         try:
             backend = get_backend(name)
             ok = backend.available()
             engines[name] = {"available": ok}
-            if not ok and name in _INSTALL_HINTS:
-                engines[name]["error"] = f"not installed; {_INSTALL_HINTS[name]}"
-            if ok and hasattr(backend, "system_info"):
+            if not ok:
+                engines[name]["error"] = f"not installed; {backend.install_hint}"
+            if ok:
                 engines[name].update(_system_info_isolated(name))
         except Exception as e:  # noqa: BLE001 - doctor reports, never fails
             engines[name] = {"available": False, "error": str(e)}
@@ -383,7 +408,7 @@ def pull(
 
 
 def batch(
-    session: Any,
+    session: Session,
     rows: list[Any],
     params: GenerationParams | None = None,
     system: str | None = None,

@@ -52,6 +52,10 @@ class ContextOverflowError(EngineError):
     """A prompt that does not fit in the context window."""
 
 
+class ServerBusyError(EngineError):
+    """Every sequence of a model is busy and its queue is full."""
+
+
 class BackendUnavailableError(LocalrunError):
     """An engine that is not installed or cannot run this model."""
 

@@ -29,6 +29,9 @@ class GenerationParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; N: the chosen token's logprob and the N most likely
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
@@ -39,7 +42,15 @@ class GenerationParams:
         _check(self.repeat_last_n >= 0, "--repeat-last-n", self.repeat_last_n, "an integer >= 0")
         _check(self.seed is None or 0 <= self.seed < 2**32, "--seed", self.seed, "an integer in [0, 2^32)")
         _check(self.max_tokens is None or self.max_tokens > 0, "--max-tokens", self.max_tokens, "an integer > 0")
+        _check(math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        _check(math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "an integer in [0, 20]")
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition penalty applies."""
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationParams:
@@ -73,6 +84,7 @@ class LoadOptions:
     flash_attn: bool | None = None  # None: the engine decides
     n_batch: int = 512
     n_parallel: int = 1
+    max_queue: int = 0  # requests waiting beyond n_parallel; 0: unbounded
 
     DEFAULT_CTX = 4096
 
@@ -83,6 +95,7 @@ class LoadOptions:
         _check(g == "auto" or (isinstance(g, int) and g >= -1), "--gpu-layers", g, "'auto' or an integer >= 0")
         _check(self.n_batch >= 1, "--batch-size", self.n_batch, "an integer >= 1")
         _check(self.n_parallel >= 1, "--parallel", self.n_parallel, "an integer >= 1")
+        _check(self.max_queue >= 0, "--max-queue", self.max_queue, "an integer >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +132,24 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, with the most likely alternatives at its position."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+    top: tuple[TokenLogprob, ...] = ()
+
+    def to_list(self) -> list[Any]:
+        """A compact JSON form: [token, logprob, bytes, [[token, logprob, bytes], ...]]."""
+        return [self.token, self.logprob, list(self.bytes), [[t.token, t.logprob, list(t.bytes)] for t in self.top]]
+
+    @classmethod
+    def from_list(cls, data: list[Any]) -> TokenLogprob:
+        return cls(data[0], data[1], tuple(data[2]), tuple(cls(t[0], t[1], tuple(t[2])) for t in data[3]))
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of streamed output; the last one has done=True and the statistics."""
 
@@ -130,15 +161,17 @@ class Chunk:
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     seed: int | None = None
+    cached_tokens: int = 0  # prompt tokens found in the KV cache (not evaluated again)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text is in this chunk
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def final(cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, t_start: float,
-              t_prompt_done: float, t_end: float, seed: int | None) -> Chunk:
+              t_prompt_done: float, t_end: float, seed: int | None, cached_tokens: int = 0) -> Chunk:
         """The last chunk of a reply, from perf_counter() stamps at its start, after the prompt, at its end."""
         return cls(done=True, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
                    completion_tokens=completion_tokens, prompt_ms=(t_prompt_done - t_start) * 1000,
-                   decode_ms=(t_end - t_prompt_done) * 1000, seed=seed)
+                   decode_ms=(t_end - t_prompt_done) * 1000, seed=seed, cached_tokens=cached_tokens)
 
     @property
     def tokens_per_second(self) -> float:
@@ -146,8 +179,11 @@ class Chunk:
         return self.completion_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["logprobs"] = [lp.to_list() for lp in self.logprobs]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Chunk:
-        return cls(**data)
+        lps = tuple(TokenLogprob.from_list(x) for x in data.get("logprobs") or ())
+        return cls(**{**data, "logprobs": lps})

@@ -175,5 +175,6 @@ def test_interactive_chat_multi_turn_ctrl_c_and_ctrl_d() -> None:
     term.expect(">>> ", start=term.out.rindex(b"(stopped"))
     term.send("/clear\r")
     term.expect("cleared")
+    term.expect(">>> ", start=term.out.rindex(b"cleared"))  # Ctrl-D typed before the prompt is not EOF
     term.send("\x04")
     assert term.wait() == 0

@@ -1,4 +1,4 @@
-"""The localrun Textual app: four screens (modes), one engine, saved conversations."""
+"""The localrun Textual app: four screens (modes), a pool of loaded models, saved conversations."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from textual.binding import Binding
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
+from localrun import api
 from localrun.generation import GenerationParams, LoadOptions
 from tui.conversations import ConversationStore
-from tui.engine import Engine
 from tui.messages import ModelsChanged
 from tui.screens.chat import ChatScreen
 from tui.screens.convert import ConvertScreen
@@ -60,7 +60,8 @@ class LocalrunApp(App[None]):
         self.default_params = params or GenerationParams()
         self.default_system = system
         self.initial_model = model
-        self.engine = Engine(load_options, engine)
+        # The TUI keeps the model it chats with loaded until another one is needed.
+        self.models = api.model_pool(load_options, engine, max_loaded=1, keep_alive=-1)
         self.conversations = conversations or ConversationStore()
         self.mode_screens: dict[str, Screen[Any]] = {}
         self.notices: list[tuple[str, str]] = []
@@ -128,7 +129,7 @@ class LocalrunApp(App[None]):
 
     def on_unmount(self) -> None:
         self._stop_background()
-        self.engine.close()
+        self.models.close()
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

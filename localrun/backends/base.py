@@ -1,37 +1,105 @@
-"""The backend protocol and the registry of engines."""
+"""The engine seam: the step-level protocol every engine implements, the typed session that
+front ends use, and the registry of engines.
+
+An engine (llama.cpp, MLX) only knows how to hold sequences and advance them one step; the
+engine loop (loop.py) does everything above that once for all engines: the request queue,
+continuous admission, prefix reuse, stops, budgets, cancellation and streaming.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 from localrun.errors import BackendUnavailableError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
 
 class Cancel(Protocol):
-    """Anything with is_set(), e.g. threading.Event; checked between tokens."""
+    """Anything with is_set(), e.g. threading.Event; checked between steps."""
 
     def is_set(self) -> bool: ...
 
 
-class Session(Protocol):
-    """A loaded model."""
+@dataclass(frozen=True)
+class Embeddings:
+    """Pooled, normalised embedding vectors, one per input text."""
 
-    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        """Generate a reply, yielding text chunks and a final chunk with statistics.
+    vectors: list[list[float]]
+    prompt_tokens: int
 
-        Args:
-            request: chat messages (rendered with the model's template) or a raw prompt.
-            params: sampling and stopping settings.
-            cancel: checked between tokens; when set the stream ends with finish_reason "cancelled".
 
-        Raises:
-            ContextOverflowError: the prompt does not fit in the context.
-            EngineError: the engine failed.
+@dataclass(frozen=True)
+class Sampled:
+    """What one step produced for one sequence."""
+
+    slot: int
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+class Detokenizer(Protocol):
+    """Turns a sequence's tokens into text incrementally (never splits a UTF-8 character)."""
+
+    def feed(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Engine(Protocol):
+    """A loaded model with a fixed number of sequence slots; the engine loop drives it.
+
+    Each slot holds one sequence's KV cache. The loop places a request in a slot with start(),
+    calls step() until the request ends, then finish() (the KV cache stays, so a later request
+    with the same prefix can reuse it).
+    """
+
+    n_ctx: int  # tokens per sequence
+    n_slots: int
+    can_copy: bool  # whether start() can copy a prefix from another slot's KV cache
+
+    def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
+        """Render (chat template or raw) and tokenize; may add the template's own stop strings."""
+        ...
+
+    def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
+        """Place a sequence in slot; the first `keep` tokens are already in slot `source`'s KV cache.
+
+        Returns:
+            How many prompt tokens were reused (the engine may reuse fewer than asked).
         """
+        ...
+
+    def prefill(self, slot: int, tokens: list[int], start: int) -> None:
+        """Evaluate tokens[start:] into slot's KV cache without sampling (a shared prefix)."""
+        ...
+
+    def step(self) -> list[Sampled]:
+        """One forward pass over every started sequence: the last sampled token of each
+        generating one and the next chunk of each prompt; returns the sequences that sampled."""
+        ...
+
+    def finish(self, slot: int) -> int:
+        """Stop the sequence in slot; its KV cache is kept for prefix reuse.
+
+        Returns:
+            How many of the sequence's tokens (prompt, then generated) its KV cache holds.
+        """
+        ...
+
+    def is_eog(self, token: int) -> bool:
+        """Whether token ends generation (EOS, EOT...)."""
+        ...
+
+    def detokenizer(self) -> Detokenizer:
+        """A fresh incremental detokenizer for one reply."""
+        ...
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        """Embedding vectors for texts."""
         ...
 
     def info(self) -> dict[str, Any]:
@@ -44,16 +112,17 @@ class Session(Protocol):
 
 
 class Backend(Protocol):
-    """An inference engine."""
+    """An inference engine: declares its name, formats and install hint once, on the class."""
 
-    name: str
-    formats: tuple[str, ...]
+    name: ClassVar[str]
+    formats: ClassVar[tuple[str, ...]]
+    install_hint: ClassVar[str]
 
     def available(self) -> bool:
         """Cheap probe: is the engine installed and usable here?"""
         ...
 
-    def load(self, model: ModelInfo, options: LoadOptions) -> Session:
+    def load(self, model: ModelInfo, options: LoadOptions) -> Engine:
         """Load a model.
 
         Raises:
@@ -62,34 +131,105 @@ class Backend(Protocol):
         """
         ...
 
+    def system_info(self) -> dict[str, Any]:
+        """Build facts of the engine (versions, device)."""
+        ...
 
-# name -> "module:class"; imported only when asked for.
-_REGISTRY = {
-    "llama.cpp": "localrun.backends.llama_cpp:LlamaCppBackend",
-    "mlx": "localrun.backends.mlx:MLXBackend",
-}
-_FORMATS = {"gguf": ("llama.cpp",), "mlx": ("mlx",), "safetensors": ("mlx",)}
+
+class Session(Protocol):
+    """A loaded model as front ends see it (the engine runs in a worker process)."""
+
+    model: ModelInfo
+    backend: str
+
+    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Generator[Chunk, None, None]:
+        """Generate a reply, yielding text chunks and a final chunk with statistics.
+
+        Thread-safe: concurrent streams run as parallel sequences of the same engine loop.
+
+        Args:
+            request: chat messages (rendered with the model's template) or a raw prompt.
+            params: sampling and stopping settings.
+            cancel: checked between steps; when set the stream ends with finish_reason "cancelled".
+
+        Raises:
+            ContextOverflowError: the prompt does not fit in the context.
+            ServerBusyError: the engine's queue is full.
+            EngineCrashedError: the engine process died.
+        """
+        ...
+
+    def generate_many(self, rows: list[tuple[Any, Request, GenerationParams]],
+                      cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
+        """Run many requests through the loop, yielding each result as it finishes (batch).
+
+        Yields {"row": {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}
+        or {"id", "error"}} and {"progress": {"prompt_tokens", "completion_tokens"}} events.
+        """
+        ...
+
+    def tokenize(self, request: Request) -> list[int]:
+        """The prompt tokens of a request."""
+        ...
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        """Embedding vectors for texts."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What the engine reports about the loaded model."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process is still running."""
+        ...
+
+    @property
+    def pid(self) -> int:
+        """The engine process."""
+        ...
+
+    def close(self) -> None:
+        """Free the model."""
+        ...
+
+
+# The engines, in order of preference; each class declares its name, formats and install hint.
+# Their modules import no engine library at import time, so listing them is cheap.
+ENGINES = ("localrun.backends.llama_cpp:LlamaCppBackend", "localrun.backends.mlx:MLXBackend")
+
+
+def backend_classes() -> list[type[Backend]]:
+    """Every engine class (the engine libraries themselves are not imported)."""
+    out = []
+    for target in ENGINES:
+        module_name, cls_name = target.split(":")
+        out.append(getattr(importlib.import_module(module_name), cls_name))
+    return out
 
 
 def backend_names() -> list[str]:
-    return list(_REGISTRY)
+    return [c.name for c in backend_classes()]
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of an engine by name."""
+    for cls in backend_classes():
+        if cls.name == name:
+            return cls
+    raise BackendUnavailableError(f"unknown engine '{name}'", f"choose one of {', '.join(backend_names())}")
 
 
 def get_backend(name: str) -> Backend:
     """Instantiate a backend by name."""
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise BackendUnavailableError(f"unknown engine '{name}'", f"choose one of {', '.join(_REGISTRY)}")
-    module_name, cls_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise BackendUnavailableError(f"the {name} engine is not installed ({e.name} is missing)",
-                                      "run 'localrun doctor' for install hints") from e
-    backend: Backend = getattr(module, cls_name)()
-    return backend
+    return backend_class(name)()
+
+
+def install_hint(name: str) -> str:
+    return backend_class(name).install_hint
 
 
 def backends_for(fmt: str) -> tuple[str, ...]:
     """Names of the engines that can run a model format, preferred first."""
-    return _FORMATS.get(fmt, ())
+    return tuple(c.name for c in backend_classes() if fmt in c.formats)

@@ -1,7 +1,8 @@
 """The llama.cpp engine, driven through llama-cpp-python's low-level API.
 
-The high-level `Llama` wrapper spends about 0.4 ms of Python per token; this module's decode
-loop calls llama_decode and the native sampler chain directly (about 0.07 ms).
+The high-level `Llama` wrapper spends about 0.4 ms of Python per token; this engine's step
+calls llama_decode over every running sequence and the native sampler chains directly.
+The engine loop (loop.py) decides what runs; this module only holds sequences and steps them.
 It runs inside the engine worker process (see worker.py), so a native abort cannot take
 localrun down.
 """
@@ -10,22 +11,25 @@ from __future__ import annotations
 
 import codecs
 import ctypes
-import random
 import re
-import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
-from localrun.backends.base import Cancel
-from localrun.chat import PLAIN_STOPS, StopMatcher, render_plain, render_template
+from localrun.backends.base import Embeddings, Sampled
+from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
     BadModelFileError,
     ContextOverflowError,
     EngineError,
 )
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, default_threads
+from localrun.generation import (
+    GenerationParams,
+    LoadOptions,
+    Request,
+    TokenLogprob,
+    default_threads,
+)
 from localrun.store import ModelInfo
 
 _LOG_TAIL: deque[str] = deque(maxlen=40)
@@ -94,21 +98,38 @@ class LlamaCppBackend:
 
     name = "llama.cpp"
     formats = ("gguf",)
+    install_hint = "pip install llama-cpp-python, then run 'localrun doctor'"
 
     def available(self) -> bool:
         import importlib.util
 
         return importlib.util.find_spec("llama_cpp") is not None
 
-    def load(self, model: ModelInfo, options: LoadOptions) -> LlamaCppSession:
-        return LlamaCppSession(model, options)
+    def load(self, model: ModelInfo, options: LoadOptions) -> LlamaCppEngine:
+        return LlamaCppEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:
         return system_info()
 
 
-class Engine:
-    """A loaded model and one context: tokenize, decode, sample. Shared by chat and batch."""
+class _Seq:
+    """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
+
+    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs")
+
+    def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None) -> None:
+        self.tokens = tokens
+        self.todo = keep  # next prompt token to evaluate
+        self.pos = keep  # tokens in this slot's KV cache
+        self.last = -1  # sampled token that the next step evaluates (-1: still in the prompt)
+        self.sampler = sampler
+        self.logprobs = logprobs
+
+
+class LlamaCppEngine:
+    """A loaded model and one context of n_slots sequences: the engine loop's step operations."""
+
+    can_copy = True
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         ll = _import()
@@ -130,24 +151,33 @@ class Engine:
         self.offloaded = _OFFLOADED[0]
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
-        n_train = ll.llama_model_n_ctx_train(self.model)
-        self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)  # per sequence
+        self.n_train = ll.llama_model_n_ctx_train(self.model)
+        self.n_ctx = options.n_ctx or min(self.n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         self.threads = options.n_threads or default_threads()
         self.add_bos = bool(ll.llama_vocab_get_add_bos(self.vocab))
         self.bos = ll.llama_vocab_bos(self.vocab)
         self.eos = ll.llama_vocab_eos(self.vocab)
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
-        self._one = (ll.llama_token * 1)()
         self.ctx: Any = None
         self.batch: Any = None
-        self.n_parallel = self.seq_ctx = 0
-        if options.n_parallel == 1:
-            self.make_context(self.n_ctx, 1)
-        # A batch engine sizes its context to the batch it is given (see llama_batch.py).
+        self._embed_ctx: Any = None
+        self.n_slots = 0
+        slots = min(options.n_parallel, self._slots_in_ram(self.n_ctx))
+        while True:
+            try:
+                self.make_context(self.n_ctx, slots)
+                break
+            except EngineError:
+                if slots == 1:
+                    self.close()
+                    raise
+                slots //= 2  # not enough memory for that many sequences: fewer at once
+        self.seqs: list[_Seq | None] = [None] * self.n_slots
+        self._template = self.meta("tokenizer.chat_template")
 
     def make_context(self, n_ctx: int, n_parallel: int) -> None:
-        """(Re)create the context: n_parallel sequences of up to n_ctx tokens.
+        """Create the context once: n_parallel sequences of up to n_ctx tokens.
 
         Each sequence has its own KV stream (kv_unified off): its attention then reads exactly
         the cells it would read alone, so a sequence decoded in a batch gets bit-identical logits
@@ -169,17 +199,26 @@ class Engine:
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             reason = last_log_error() or "not enough memory?"
-            if n_parallel == 1:
-                ll.llama_model_free(self.model)
-                self.model = None
             what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
             raise EngineError(f"cannot create a context of {what} for '{self.model_info.name}': {reason}",
                               "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
-        self.n_parallel = n_parallel
-        self.seq_ctx = n_ctx
+        self.n_slots = n_parallel
         self.n_batch = cparams.n_batch
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(max(cparams.n_batch, n_parallel), 0, 1)
+
+    def _slots_in_ram(self, size: int) -> int:
+        """How many sequences of size tokens an f16 KV cache fits in half the available RAM."""
+        from localrun.system import ram_bytes
+
+        ll = self.ll
+        available = ram_bytes()[1]
+        if not available or self.gpu_layers != 0:
+            return 1 << 30  # on a GPU a failed allocation makes the constructor retry with fewer
+        n_head = max(1, ll.llama_model_n_head(self.model))
+        per_token = 2 * 2 * ll.llama_model_n_layer(self.model) * ll.llama_model_n_embd(self.model) \
+            * ll.llama_model_n_head_kv(self.model) // n_head
+        return max(1, available // 2 // max(1, per_token * size))
 
     def _free_context(self) -> None:
         if self.batch is not None:
@@ -189,19 +228,27 @@ class Engine:
             self.ll.llama_free(self.ctx)
             self.ctx = None
 
-    def decode_next(self, token: int) -> None:
-        """Evaluate one token of sequence 0 right after its cached tokens (the hot path)."""
-        self._one[0] = token
-        rc = self.ll.llama_decode(self.ctx, self.ll.llama_batch_get_one(self._one, 1))
-        if rc != 0:
-            raise EngineError(f"llama_decode failed (code {rc}) {last_log_error()}".strip())
-
     def _gpu_layers(self, options: LoadOptions) -> int:
         if not self.ll.llama_supports_gpu_offload():
             return 0
         if options.gpu_layers == "auto":
             return -1 if _fits_on_gpu(self.model_info) else 0
         return int(options.gpu_layers)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine": "llama.cpp",
+            "n_ctx": self.n_ctx,
+            "n_ctx_train": self.n_train,
+            "n_parallel": self.n_slots,
+            "n_threads": self.threads,
+            "gpu_layers": self.gpu_layers,
+            "offloaded": self.offloaded,
+            "n_layers": self.ll.llama_model_n_layer(self.model),
+            "n_embd": self.ll.llama_model_n_embd(self.model),
+            "n_vocab": self.n_vocab,
+            "chat_template": self._template is not None,
+        }
 
     # -- text <-> tokens ------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -248,24 +295,107 @@ class Engine:
             self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
-    def prompt_tokens(self, request: Request, system_stops: list[str]) -> list[int]:
+    def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
         """Render the request (chat template or raw) and tokenize it."""
         if request.prompt is not None:
-            return self.tokenize(request.prompt, add_special=True, parse_special=False)
-        template = self.meta("tokenizer.chat_template")
+            tokens = self.tokenize(request.prompt, add_special=True, parse_special=False)
+            return tokens or [self.bos]
         bos_text = self.token_text(self.bos)
-        if template:
-            text = render_template(
-                template, request.messages, bos_token=bos_text, eos_token=self.token_text(self.eos)
-            )
+        if self._template:
+            text = render_template(self._template, request.messages, bos_token=bos_text,
+                                   eos_token=self.token_text(self.eos))
         else:
             text = render_plain(request.messages)
-            system_stops.extend(PLAIN_STOPS)
+            stops.extend(PLAIN_STOPS)
         # A template that writes the BOS itself must not get a second one.
         add_special = self.add_bos and not (bos_text and text.startswith(bos_text))
-        return self.tokenize(text, add_special=add_special, parse_special=True)
+        return self.tokenize(text, add_special=add_special, parse_special=True) or [self.bos]
 
-    # -- decoding ---------------------------------------------------------------------------
+    def is_eog(self, token: int) -> bool:
+        return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
+
+    def detokenizer(self) -> _Utf8Pieces:
+        return _Utf8Pieces(self.piece)
+
+    # -- the engine loop's operations -----------------------------------------------------
+    def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
+        ll, mem = self.ll, self.mem
+        if source != slot:
+            # Sequences live in separate KV streams, which llama.cpp copies only whole.
+            ll.llama_memory_seq_rm(mem, slot, -1, -1)
+            ll.llama_memory_seq_cp(mem, source, slot, -1, -1)
+        ll.llama_memory_seq_rm(mem, slot, keep, -1)
+        self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs)
+        return keep
+
+    def prefill(self, slot: int, tokens: list[int], start: int) -> None:
+        self.ll.llama_memory_seq_rm(self.mem, slot, start, -1)
+        n_batch = self.n_batch
+        for s in range(start, len(tokens), n_batch):
+            self.decode([(tokens[i], i, slot, False) for i in range(s, min(s + n_batch, len(tokens)))])
+
+    def step(self) -> list[Sampled]:
+        entries: list[tuple[int, int, int, bool]] = []
+        owners: list[tuple[int, int]] = []  # (slot, batch index) of each entry that gives logits
+        seqs = self.seqs
+        for s, q in enumerate(seqs):
+            if q is not None and q.last >= 0:
+                owners.append((s, len(entries)))
+                entries.append((q.last, q.pos, s, True))
+                q.pos += 1
+        room = self.n_batch - len(entries)
+        for s, q in enumerate(seqs):
+            if room <= 0:
+                break
+            if q is None or q.last >= 0:
+                continue
+            tokens = q.tokens
+            end = min(len(tokens), q.todo + room)
+            last = len(tokens) - 1
+            entries.extend((tokens[i], i, s, i == last) for i in range(q.todo, end))
+            if end == len(tokens):
+                owners.append((s, len(entries) - 1))
+            room -= end - q.todo
+            q.todo = q.pos = end
+        if not entries:
+            return []
+        self.decode(entries)
+        ll, ctx = self.ll, self.ctx
+        out = []
+        for s, idx in owners:
+            q = seqs[s]
+            assert q is not None
+            tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
+            q.last = tok
+            out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None))
+        return out
+
+    def finish(self, slot: int) -> int:
+        q = self.seqs[slot]
+        if q is None:
+            return 0
+        self.ll.llama_sampler_free(q.sampler)
+        self.seqs[slot] = None
+        self.ll.llama_memory_seq_rm(self.mem, slot, q.pos, -1)
+        return q.pos
+
+    def _logprob(self, idx: int, token: int, top: int) -> TokenLogprob:
+        import numpy as np
+
+        ptr = self.ll.llama_get_logits_ith(self.ctx, idx)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+        m = logits.max()
+        lp = logits - m - np.log(np.exp(logits - m).sum())
+        alts: tuple[TokenLogprob, ...] = ()
+        if top > 0:
+            best = np.argpartition(-lp, top)[:top]
+            best = best[np.argsort(-lp[best])]
+            alts = tuple(self._token_logprob(int(t), float(lp[t])) for t in best)
+        return TokenLogprob(self.token_text(token), float(lp[token]), tuple(self.piece(token)), alts)
+
+    def _token_logprob(self, token: int, logprob: float) -> TokenLogprob:
+        return TokenLogprob(self.token_text(token), logprob, tuple(self.piece(token)))
+
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode over (token, position, sequence, wants_logits) entries."""
         b = self.batch
@@ -282,20 +412,12 @@ class Engine:
             raise EngineError(f"llama_decode failed (code {rc}){': ' + reason if reason else ''}",
                               "the context may be full; try a larger --ctx")
 
-    def eval_prompt(self, tokens: list[int], start: int, seq: int = 0) -> None:
-        """Evaluate tokens[start:] at positions start.., logits only for the last one."""
-        n_batch = self.n_batch
-        last = len(tokens) - 1
-        for s in range(start, len(tokens), n_batch):
-            part = range(s, min(s + n_batch, len(tokens)))
-            self.decode([(tokens[i], i, seq, i == last) for i in part])
-
     def make_sampler(self, params: GenerationParams, seed: int) -> Any:
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        if params.repeat_penalty != 1.0:
+        if params.penalized:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
-                self.n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+                self.n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty))
         if params.temperature <= 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
             return chain
@@ -309,12 +431,80 @@ class Engine:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
+    # -- embeddings -------------------------------------------------------------------------
+    def embed(self, texts: list[str]) -> Embeddings:
+        """Pooled (the file's pooling, else mean) and L2-normalised vectors, one text at a time."""
+        import numpy as np
+
+        ll = self.ll
+        if self._embed_ctx is None:
+            cparams = ll.llama_context_default_params()
+            cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.n_ctx
+            cparams.n_seq_max = 1
+            cparams.n_threads = cparams.n_threads_batch = self.threads
+            cparams.embeddings = True
+            cparams.no_perf = True
+            if ll.llama_model_has_encoder(self.model) or self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
+                cparams.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
+            self._embed_ctx = ll.llama_init_from_model(self.model, cparams)
+            if not self._embed_ctx:
+                raise EngineError(f"cannot create an embedding context for '{self.model_info.name}': "
+                                  f"{last_log_error() or 'not enough memory?'}")
+        ctx = self._embed_ctx
+        n_embd = ll.llama_model_n_embd(self.model)
+        batch = ll.llama_batch_init(self.n_ctx, 0, 1)
+        vectors: list[list[float]] = []
+        total = 0
+        try:
+            for text in texts:
+                tokens = self.tokenize(text, add_special=True, parse_special=False) or [self.bos]
+                if len(tokens) > self.n_ctx:
+                    raise ContextOverflowError(
+                        f"an input is {len(tokens)} tokens but the context holds {self.n_ctx}",
+                        "use a larger --ctx or shorter inputs")
+                total += len(tokens)
+                ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+                for i, t in enumerate(tokens):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
+                    batch.seq_id[i][0], batch.logits[i] = 0, True
+                batch.n_tokens = len(tokens)
+                if ll.llama_decode(ctx, batch) != 0:
+                    raise EngineError(f"llama_decode failed while embedding {last_log_error()}".strip())
+                ptr = ll.llama_get_embeddings_seq(ctx, 0)
+                vec = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+                norm = float(np.linalg.norm(vec))
+                vectors.append((vec / norm if norm > 0 else vec).tolist())
+        finally:
+            ll.llama_batch_free(batch)
+        return Embeddings(vectors, total)
+
     def close(self) -> None:
         ll = self.ll
+        for s in range(len(getattr(self, "seqs", []))):
+            self.finish(s)
+        if getattr(self, "_embed_ctx", None):
+            ll.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         self._free_context()
         if getattr(self, "model", None):
             ll.llama_model_free(self.model)
             self.model = None
+
+
+class _Utf8Pieces:
+    """Token pieces to text without splitting a UTF-8 character across chunks."""
+
+    __slots__ = ("piece", "utf8")
+
+    def __init__(self, piece: Any) -> None:
+        self.piece = piece
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self.utf8.decode(self.piece(token))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
 
 
 def _fits_on_gpu(model: ModelInfo) -> bool:
@@ -325,117 +515,3 @@ def _fits_on_gpu(model: ModelInfo) -> bool:
     if not cards or cards[0].get("free_bytes") is None:
         return True
     return bool(model.size * 1.2 < cards[0]["free_bytes"])
-
-
-class LlamaCppSession:
-    """One model in one context, generating one reply at a time; reuses the cached prompt prefix."""
-
-    def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
-        self.engine = Engine(model, options)
-        self.cached: list[int] = []  # tokens whose KV is in sequence 0
-
-    def info(self) -> dict[str, Any]:
-        e = self.engine
-        return {
-            "engine": "llama.cpp",
-            "n_ctx": e.n_ctx,
-            "n_threads": e.threads,
-            "gpu_layers": e.gpu_layers,
-            "offloaded": e.offloaded,
-            "n_layers": e.ll.llama_model_n_layer(e.model),
-            "n_vocab": e.n_vocab,
-            "chat_template": e.meta("tokenizer.chat_template") is not None,
-        }
-
-    def tokenize(self, request: Request) -> list[int]:
-        return self.engine.prompt_tokens(request, [])
-
-    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        e, ll = self.engine, self.engine.ll
-        if e.n_parallel != 1 or e.seq_ctx != e.n_ctx:
-            e.make_context(e.n_ctx, 1)  # this session ran a batch before
-            self.cached = []
-        stops = list(params.stop)
-        tokens = e.prompt_tokens(request, stops)
-        if not tokens:
-            tokens = [e.bos]
-        if len(tokens) >= e.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt is {len(tokens)} tokens but the context holds {e.n_ctx}",
-                f"use a larger --ctx (the model was trained for {ll.llama_model_n_ctx_train(e.model)}) or a shorter prompt",
-            )
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        t0 = time.perf_counter()
-        # Reuse the KV of the longest common prefix with the previous request.
-        keep = 0
-        limit = min(len(self.cached), len(tokens) - 1)
-        while keep < limit and self.cached[keep] == tokens[keep]:
-            keep += 1
-        ll.llama_memory_seq_rm(e.mem, 0, keep, -1)
-        self.cached = tokens[:keep]
-        e.eval_prompt(tokens, keep)
-        self.cached = list(tokens)
-        t1 = time.perf_counter()
-        sampler = e.make_sampler(params, seed)
-        try:
-            yield from self._decode_loop(sampler, params, stops, cancel, len(tokens), t0, t1, seed)
-        finally:
-            ll.llama_sampler_free(sampler)
-
-    def _decode_loop(self, sampler: Any, params: GenerationParams, stops: list[str], cancel: Cancel | None,
-                     n_prompt: int, t0: float, t1: float, seed: int) -> Iterator[Chunk]:
-        e, ll = self.engine, self.engine.ll
-        ctx, vocab = e.ctx, e.vocab
-        matcher = StopMatcher(stops)
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        budget = params.max_tokens if params.max_tokens is not None else e.n_ctx
-        n_gen = 0
-        pos = n_prompt
-        finish = "length"
-        sample, is_eog, piece, decode_next = ll.llama_sampler_sample, ll.llama_vocab_is_eog, e.piece, e.decode_next
-        while True:
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok = sample(sampler, ctx, -1)
-            if is_eog(vocab, tok):
-                finish = "stop"
-                break
-            n_gen += 1
-            text = utf8.decode(piece(tok))
-            out, hit = matcher.feed(text) if stops else (text, False)
-            if out:
-                yield Chunk(text=out)
-            if hit:
-                finish = "stop"
-                break
-            if n_gen >= budget or pos + 1 >= e.n_ctx:
-                finish = "length"
-                break
-            # Evaluate the token right away so the cached prefix always matches the KV cache.
-            decode_next(tok)
-            self.cached.append(tok)
-            pos += 1
-        tail = matcher.flush() + utf8.decode(b"", final=True)
-        if tail and finish != "cancelled":
-            yield Chunk(text=tail)
-        yield Chunk.final(finish, n_prompt, n_gen, t0, t1, time.perf_counter(), seed)
-
-    def batch(self, rows: list[dict[str, Any]], params: dict[str, Any],
-              cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
-        """Generate many rows concurrently as parallel sequences (see llama_batch.py).
-
-        Takes and yields JSON-style values so the worker can pass them on: rows are
-        {"id", "request", "params"?}; events are {"row": ...}, {"progress": ...}, then {"done": ...}.
-        """
-        from localrun.backends.llama_batch import BatchScheduler
-
-        self.cached = []  # the batch reuses sequence 0
-        try:
-            yield from BatchScheduler(self.engine).run(rows, params, cancel)
-        finally:
-            if self.engine.ctx:
-                self.engine.ll.llama_memory_clear(self.engine.mem, True)
-
-    def close(self) -> None:
-        self.engine.close()

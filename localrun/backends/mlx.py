@@ -1,29 +1,27 @@
 """The MLX engine, through mlx-lm: MLX model folders and Hugging Face safetensors checkpoints.
 
-Decoding runs mlx-lm's own `generate_step` (prefill in chunks, the next token computed while the
-current one is handed out), so tokens/s match `mlx_lm.generate`. The chat template is rendered by
-localrun's sandboxed Jinja, not by transformers. It runs inside the engine worker process.
+Sequences run through mlx-lm's BatchGenerator (continuous batching: prefill in chunks, the next
+token computed while the current one is handed out), driven by the shared engine loop. The chat
+template is rendered by localrun's sandboxed Jinja, not by transformers. It runs inside the
+engine worker process.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Cancel
-from localrun.chat import PLAIN_STOPS, StopMatcher, render_plain, render_template
+from localrun.backends.base import Embeddings, Sampled
+from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
     BadModelFileError,
-    ContextOverflowError,
     EngineError,
     UsageError,
 )
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
 INSTALL_HINT = "pip install 'localrun[mlx]' (on Linux this installs mlx[cpu])"
@@ -80,12 +78,13 @@ class MLXBackend:
 
     name = "mlx"
     formats = ("mlx", "safetensors")
+    install_hint = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
 
     def available(self) -> bool:
         return mlx_installed()
 
-    def load(self, model: ModelInfo, options: LoadOptions) -> MLXSession:
-        return MLXSession(model, options)
+    def load(self, model: ModelInfo, options: LoadOptions) -> MLXEngine:
+        return MLXEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:
         return system_info()
@@ -120,11 +119,16 @@ def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable
     return sample
 
 
-def repeat_penalty(mx: Any, penalty: float, last_n: int, n_fed: int) -> Callable[[Any, Any], Any]:
-    """llama.cpp's repetition penalty over the last `last_n` generated tokens (not the prompt).
+def penalties(mx: Any, params: GenerationParams, n_fed: int) -> Callable[[Any, Any], Any]:
+    """llama.cpp's repetition, frequency and presence penalties over the last `repeat_last_n`
+    generated tokens (not the prompt).
 
     mlx-lm passes a processor every token fed so far; the first `n_fed` of them are the prompt.
     """
+    import numpy as np
+
+    penalty, last_n = params.repeat_penalty, params.repeat_last_n
+    freq, present = params.frequency_penalty, params.presence_penalty
 
     def process(tokens: Any, logits: Any) -> Any:
         generated = tokens[n_fed:]
@@ -132,21 +136,55 @@ def repeat_penalty(mx: Any, penalty: float, last_n: int, n_fed: int) -> Callable
             generated = generated[-last_n:]
         if generated.size == 0:
             return logits
-        picked = logits[:, generated]
-        logits[:, generated] = mx.where(picked < 0, picked * penalty, picked / penalty)
+        ids, counts = np.unique(np.array(generated), return_counts=True)
+        idx = mx.array(ids)
+        picked = logits[:, idx]
+        if penalty != 1.0:
+            picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+        picked = picked - mx.array(counts.astype(np.float32)) * freq - present
+        logits[:, idx] = picked
         return logits
 
     return process
 
 
-class MLXSession:
-    """One model with one KV cache, generating one reply at a time; reuses the cached prompt prefix."""
+class _Detok:
+    """mlx-lm's streaming detokenizer, keeping the reply's leading space as llama.cpp does.
+
+    mlx-lm drops it because it decodes replies on their own; a continuation needs it
+    ("The capital of France is" + " Paris").
+    """
+
+    __slots__ = ("d",)
+
+    def __init__(self, tokenizer: Any) -> None:
+        detok = tokenizer.detokenizer  # a fresh copy
+        if hasattr(detok, "trim_space"):  # SentencePiece
+            detok.trim_space = False
+        elif hasattr(detok, "_maybe_trim_space"):  # byte-level BPE
+            detok._maybe_trim_space = lambda text: text
+        self.d = detok
+
+    def feed(self, token: int) -> str:
+        self.d.add_token(token)
+        return str(self.d.last_segment)
+
+    def flush(self) -> str:
+        self.d.finalize()
+        return str(self.d.last_segment)
+
+
+class MLXEngine:
+    """A model on MLX whose sequences run through mlx-lm's continuous batching (BatchGenerator).
+
+    A slot's KV cache is taken back from the generator when its request ends, so the next
+    request in that slot reuses the common prefix (MLX caches cannot be copied between slots).
+    """
+
+    can_copy = False
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         self.mx, mlx_lm = _import()
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self._make_cache = make_prompt_cache
         self.model_info = model
         path = Path(model.path)
         try:
@@ -158,14 +196,23 @@ class MLXSession:
             raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
                                     "the folder may be incomplete, or of an architecture this mlx-lm does not know; "
                                     "try 'pip install -U mlx-lm'") from e
+        from mlx_lm.generate import BatchGenerator
+
         self.config = config
         n_train = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
         self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         self.n_train = n_train
+        self.n_slots = options.n_parallel
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer.get_vocab()))
         self.template = self._chat_template()
-        self.cache: list[Any] = self._make_cache(self.model)
-        self.cached: list[int] = []  # tokens whose KV is in self.cache
+        self.eos = set(self.tokenizer.eos_token_ids)
+        # No stop tokens here: the engine loop ends sequences (EOS included) itself.
+        self.gen = BatchGenerator(self.model, completion_batch_size=max(1, self.n_slots),
+                                  prefill_batch_size=max(1, min(8, self.n_slots)), prefill_step_size=2048)
+        self.uids: dict[int, int] = {}  # generator uid -> slot
+        self.slot_uid: list[int | None] = [None] * self.n_slots
+        self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
+        self.logprobs: list[int | None] = [None] * self.n_slots
 
     def _chat_template(self) -> str | None:
         tpl = getattr(self.tokenizer, "chat_template", None)
@@ -179,6 +226,8 @@ class MLXSession:
         return {
             "engine": "mlx",
             "n_ctx": self.n_ctx,
+            "n_ctx_train": self.n_train,
+            "n_parallel": self.n_slots,
             "device": device_name(self.mx),
             "n_layers": n_layers,
             "offloaded": f"{n_layers}/{n_layers}" if self.mx.default_device().type == self.mx.gpu else None,
@@ -187,7 +236,7 @@ class MLXSession:
             "quantization": f"{quant['bits']}bit/g{quant['group_size']}" if isinstance(quant, dict) and "bits" in quant else None,
         }
 
-    # -- text -> tokens -----------------------------------------------------------------------
+    # -- text <-> tokens ----------------------------------------------------------------------
     def _encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         tok = self.tokenizer
         if parse_special:
@@ -197,11 +246,12 @@ class MLXSession:
         except TypeError:  # a slow tokenizer without the option
             return list(tok.encode(text, add_special_tokens=add_special))
 
-    def prompt_tokens(self, request: Request, system_stops: list[str]) -> list[int]:
+    def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
         """Render the request (chat template or raw) and tokenize it, as the llama.cpp engine does."""
-        if request.prompt is not None:
-            return self._encode(request.prompt, add_special=True, parse_special=False)
         tok = self.tokenizer
+        fallback = [tok.bos_token_id if tok.bos_token_id is not None else 0]
+        if request.prompt is not None:
+            return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
         if self.template:
             text = render_template(self.template, request.messages, bos_token=bos, eos_token=tok.eos_token or "")
@@ -211,187 +261,91 @@ class MLXSession:
                                            add_generation_prompt=True)
         else:
             text = render_plain(request.messages)
-            system_stops.extend(PLAIN_STOPS)
+            stops.extend(PLAIN_STOPS)
         # A template that writes the BOS itself must not get a second one.
-        return self._encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+        return self._encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True) or fallback
 
-    def tokenize(self, request: Request) -> list[int]:
-        return self.prompt_tokens(request, [])
+    def is_eog(self, token: int) -> bool:
+        return token in self.eos
 
-    def _detokenizer(self) -> Any:
-        """mlx-lm's streaming detokenizer, keeping the reply's leading space as llama.cpp does.
+    def detokenizer(self) -> _Detok:
+        return _Detok(self.tokenizer)
 
-        mlx-lm drops it because it decodes replies on their own; a continuation needs it
-        ("The capital of France is" + " Paris").
-        """
-        detok = self.tokenizer.detokenizer  # a fresh copy
-        if hasattr(detok, "trim_space"):  # SentencePiece
-            detok.trim_space = False
-        elif hasattr(detok, "_maybe_trim_space"):  # byte-level BPE
-            detok._maybe_trim_space = lambda text: text
-        return detok
-
-    # -- generation ---------------------------------------------------------------------------
-    def _reuse_prefix(self, tokens: list[int]) -> int:
-        """Trim the KV cache to the longest prefix shared with `tokens`; returns its length."""
+    # -- the engine loop's operations -----------------------------------------------------
+    def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        keep = 0
-        limit = min(len(self.cached), len(tokens) - 1)
-        while keep < limit and self.cached[keep] == tokens[keep]:
-            keep += 1
-        if keep == 0 or not can_trim_prompt_cache(self.cache):
-            self.cache, keep = self._make_cache(self.model), 0
+        mx = self.mx
+        cache, self.saved[slot] = self.saved[slot], None
+        if cache is not None and keep > 0 and source == slot and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, cache[0].offset - keep)
         else:
-            trim_prompt_cache(self.cache, len(self.cached) - keep)
-        self.cached = tokens[:keep]
+            cache, keep = None, 0
+        mx.random.seed(seed)
+        processors = []
+        if params.penalized:
+            processors.append(penalties(mx, params, len(tokens) - keep))
+        (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
+                                 caches=[cache] if cache is not None else None,
+                                 samplers=[make_sampler(mx, params, self.vocab_size)],
+                                 logits_processors=[processors])
+        self.uids[uid] = slot
+        self.slot_uid[slot] = uid
+        self.logprobs[slot] = params.logprobs
         return keep
 
-    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        stops = list(params.stop)
-        tokens = self.prompt_tokens(request, stops)
-        if not tokens:
-            bos = self.tokenizer.bos_token_id
-            tokens = [bos if bos is not None else 0]
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx}",
-                "use a larger --ctx" + (f" (the model was trained for {self.n_train})" if self.n_train else "")
-                + " or a shorter prompt",
-            )
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        t0 = time.perf_counter()
-        keep = self._reuse_prefix(tokens)
-        try:
-            yield from self._generate(tokens, keep, params, stops, cancel, t0, seed)
-        except Exception as e:  # the KV cache may be half-written: start the next request afresh
-            self.cache, self.cached = self._make_cache(self.model), []
-            if isinstance(e, EngineError):
-                raise
-            raise EngineError(f"MLX generation failed: {type(e).__name__}: {e}") from e
+    def prefill(self, slot: int, tokens: list[int], start: int) -> None:
+        raise EngineError("the MLX engine cannot share a prefill between slots")
 
-    def _generate(self, tokens: list[int], keep: int, params: GenerationParams, stops: list[str],
-                  cancel: Cancel | None, t0: float, seed: int) -> Iterator[Chunk]:
-        from mlx_lm.generate import generate_step, generation_stream, wired_limit
+    def step(self) -> list[Sampled]:
+        out = []
+        for r in self.gen.next_generated():
+            slot = self.uids.get(r.uid)
+            if slot is None:
+                continue  # a sequence removed while its token was in flight
+            top = self.logprobs[slot]
+            out.append(Sampled(slot, int(r.token), self._logprob(r.logprobs, int(r.token), top) if top is not None else None))
+        return out
 
-        mx = self.mx
-        mx.random.seed(seed)
-        fed = tokens[keep:]
-        processors = []
-        if params.repeat_penalty != 1.0:
-            processors.append(repeat_penalty(mx, params.repeat_penalty, params.repeat_last_n, len(fed)))
-        steps: Any = generate_step(
-            mx.array(fed), self.model, max_tokens=-1, prompt_cache=self.cache,
-            sampler=make_sampler(mx, params, self.vocab_size), logits_processors=processors,
-            prefill_step_size=2048,
-        )
-        eos = self.tokenizer.eos_token_ids
-        detok = self._detokenizer()
-        matcher = StopMatcher(stops)
-        budget = params.max_tokens if params.max_tokens is not None else self.n_ctx
-        n_prompt, n_gen, finish = len(tokens), 0, "length"
-        stopped_by_text = False
-        # Each token mlx-lm hands out has already been fed to the model (its KV is in the cache).
-        self.cached = list(tokens)
-        t1 = None
-        streams: Any = [generation_stream]
-        with wired_limit(self.model, streams):
-            try:
-                for tok, _ in steps:
-                    if t1 is None:
-                        t1 = time.perf_counter()
-                    self.cached.append(tok)
-                    if cancel is not None and cancel.is_set():
-                        finish = "cancelled"
-                        break
-                    if tok in eos:
-                        finish = "stop"
-                        break
-                    n_gen += 1
-                    detok.add_token(tok)
-                    out, stopped_by_text = matcher.feed(detok.last_segment)
-                    if out:
-                        yield Chunk(text=out)
-                    if stopped_by_text:
-                        finish = "stop"
-                        break
-                    if n_gen >= budget or n_prompt + n_gen >= self.n_ctx:
-                        break
-            finally:
-                steps.close()
-        if finish != "cancelled" and not stopped_by_text:
-            # The detokenizer holds back the last word; it may still contain a stop sequence.
-            detok.finalize()
-            out, stopped_by_text = matcher.feed(detok.last_segment)
-            tail = out if stopped_by_text else out + matcher.flush()
-            finish = "stop" if stopped_by_text else finish
-            if tail:
-                yield Chunk(text=tail)
-        t2 = time.perf_counter()
-        yield Chunk.final(finish, n_prompt, n_gen, t0, t1 or t2, t2, seed)
+    def finish(self, slot: int) -> int:
+        uid = self.slot_uid[slot]
+        if uid is None:
+            return 0
+        self.slot_uid[slot] = None
+        self.uids.pop(uid, None)
+        caches = self.gen.remove([uid], return_prompt_caches=True)
+        entry = caches.get(uid) if isinstance(caches, dict) else None
+        if entry is None:
+            return 0
+        cache = entry[0]
+        self.saved[slot] = cache
+        return int(cache[0].offset) if cache and hasattr(cache[0], "offset") else 0
 
-    # -- batch --------------------------------------------------------------------------------
-    def batch(self, requests: list[dict[str, Any]], params: dict[str, Any],
-              cancel: Cancel | None = None) -> list[dict[str, Any]]:
-        """Many replies at once through mlx-lm's continuous batching (BatchGenerator).
+    def _logprob(self, logprobs: Any, token: int, top: int) -> TokenLogprob:
+        import numpy as np
 
-        Takes and returns JSON-style values, so the worker can run it by name: one
-        {text, finish_reason, prompt_tokens, completion_tokens} per request, in order.
-        """
-        from mlx_lm.generate import BatchGenerator
+        lp = np.array(logprobs.astype(self.mx.float32)).reshape(-1)
+        alts: tuple[TokenLogprob, ...] = ()
+        if top > 0:
+            best = np.argpartition(-lp, top)[:top]
+            best = best[np.argsort(-lp[best])]
+            alts = tuple(self._token_logprob(int(t), float(lp[t])) for t in best)
+        text = self._piece(token)
+        return TokenLogprob(text, float(lp[token]), tuple(text.encode()), alts)
 
-        gp = GenerationParams.from_dict(params)
-        if gp.repeat_penalty != 1.0:
-            raise UsageError("--repeat-penalty is not supported in MLX batches", "leave it at 1, or run the prompts one by one")
-        reqs = [Request.from_dict(r) for r in requests]
-        stops = [list(gp.stop) for _ in reqs]
-        prompts = [self.prompt_tokens(r, s) or [self.tokenizer.bos_token_id or 0] for r, s in zip(reqs, stops, strict=True)]
-        for p in prompts:
-            if len(p) >= self.n_ctx:
-                raise ContextOverflowError(f"a prompt is {len(p)} tokens but the context holds {self.n_ctx}",
-                                           "use a larger --ctx or shorter prompts")
-        if gp.seed is not None:
-            self.mx.random.seed(gp.seed)
-        budget = [min(gp.max_tokens or self.n_ctx, self.n_ctx - len(p)) for p in prompts]
-        gen = BatchGenerator(self.model, stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
-                             sampler=make_sampler(self.mx, gp, self.vocab_size))
-        try:
-            uids = gen.insert(prompts, budget)
-            index = {uid: i for i, uid in enumerate(uids)}
-            detoks = [self._detokenizer() for _ in prompts]
-            matchers = [StopMatcher(s) for s in stops]
-            texts = [""] * len(prompts)
-            counts = [0] * len(prompts)
-            finish: list[str | None] = [None] * len(prompts)
-            while (responses := gen.next_generated()) and not (cancel is not None and cancel.is_set()):
-                done = []
-                for r in responses:
-                    i = index[r.uid]
-                    if r.finish_reason == "stop":  # an end-of-sequence token, not part of the reply
-                        finish[i] = "stop"
-                        continue
-                    counts[i] += 1
-                    detoks[i].add_token(r.token)
-                    if r.finish_reason is not None:
-                        detoks[i].finalize()
-                    out, hit = matchers[i].feed(detoks[i].last_segment)
-                    texts[i] += out
-                    if hit:
-                        finish[i] = "stop"
-                        done.append(r.uid)
-                    elif r.finish_reason is not None:
-                        finish[i] = "length"
-                if done:
-                    gen.remove(done)
-        finally:
-            gen.close()
-        for i, m in enumerate(matchers):
-            if finish[i] != "stop":
-                texts[i] += m.flush()
-        return [{"text": texts[i], "finish_reason": finish[i] or "cancelled", "prompt_tokens": len(prompts[i]),
-                 "completion_tokens": counts[i]} for i in range(len(prompts))]
+    def _piece(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    def _token_logprob(self, token: int, logprob: float) -> TokenLogprob:
+        text = self._piece(token)
+        return TokenLogprob(text, logprob, tuple(text.encode()))
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        raise UsageError(f"'{self.model_info.name}' runs on MLX, which has no embedding mode here",
+                         "use a GGUF embedding model (it runs on llama.cpp)")
 
     def close(self) -> None:
-        self.cache, self.cached = [], []
+        self.gen.close()
+        self.saved = [None] * self.n_slots
         self.model = None
         self.mx.clear_cache()

@@ -4,30 +4,34 @@ A native engine can abort the whole process on a bad file (llama.cpp throws std:
 from tokenization, for one), so localrun talks to it over pipes, as Ollama and LM Studio do:
 a crash becomes an EngineCrashedError and the caller keeps running.
 
-Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "stream" | "batch" |
-"cancel" | "call" | "close", ...}. Worker -> parent: {"ok": ...}, {"t": text} then {"chunk": {...}}
-(stream), {"r": row} / {"p": [prompt, completion tokens]} then {"done": {...}} (batch), or
-{"error": {...}}.
+The worker runs the model's engine loop (loop.py); many requests are in flight at once, each
+with its own id. Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "submit" |
+"cancel" | "call" | "close", "i": id, ...}. Worker -> parent: {"i": id, "t": text, "l"?: logprobs}
+while a reply streams, then {"i": id, "chunk": final, "text"?: whole reply}; {"i": id, "ok": value}
+for calls; {"i": id, "error": {...}}; and {"s": [prompt, completion tokens]} (totals, every
+0.25 s while a batch runs).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Generator, Iterator
-from contextlib import closing
 from typing import Any
 
 from localrun import errors
-from localrun.backends.base import Cancel
+from localrun.backends.base import Cancel, Embeddings
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
 
@@ -63,11 +67,23 @@ class _Channel:
 
     def recv(self, timeout: float | None = None) -> Any:
         """The next message; None on timeout or end of stream (check .eof)."""
-        if not self.lines and not self.eof:
+        while not self.lines and not self.eof:
             self._fill(timeout)
+            if timeout is not None:
+                break
         if self.lines:
             return json.loads(self.lines.popleft())
         return None
+
+    def recv_all(self, timeout: float | None) -> list[Any]:
+        """Every message that has arrived (waiting up to timeout for one; None: until one comes)."""
+        if not self.lines and not self.eof:
+            self._fill(timeout)
+            while timeout is None and not self.lines and not self.eof:
+                self._fill(None)
+        out = [json.loads(line) for line in self.lines]
+        self.lines.clear()
+        return out
 
 
 def _error_payload(e: BaseException) -> dict[str, Any]:
@@ -83,15 +99,24 @@ def _raise_payload(p: dict[str, Any]) -> None:
     raise cls(p.get("message", "engine error"), p.get("hint"))
 
 
+def _payload_error(p: dict[str, Any]) -> LocalrunError:
+    try:
+        _raise_payload(p)
+    except LocalrunError as e:
+        return e
+    raise AssertionError("unreachable")
+
+
 # -- parent side -------------------------------------------------------------------------------
 
 
 class WorkerSession:
-    """A Session whose engine lives in a child process."""
+    """A model loaded in a child process, running its engine loop; safe to use from many threads."""
 
     def __init__(self, backend: str, model: ModelInfo, options: LoadOptions) -> None:
         self.backend = backend
         self.model = model
+        self.options = options
         self.stderr_tail: deque[str] = deque(maxlen=50)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "localrun.backends.worker"],
@@ -105,10 +130,25 @@ class WorkerSession:
         self.chan = _Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
         self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True)
         self._stderr_thread.start()
-        self.busy = False
-        self._info = self._call({"op": "load", "backend": backend, "model": model.to_dict(), "options": options.to_dict()},
-                                "loading the model")
+        self._send_lock = threading.Lock()
+        self._queues: dict[int, queue.SimpleQueue[Any]] = {}
+        self._ids = itertools.count(1)
+        self._dead: EngineCrashedError | None = None
+        self.stats = (0, 0)  # prompt and completion tokens evaluated, as the worker last reported
+        self.chan.send({"op": "load", "i": 0, "backend": backend, "model": model.to_dict(), "options": options.to_dict()})
+        msg = None
+        while msg is None:
+            msg = self.chan.recv()
+            if msg is None and self.chan.eof:
+                raise self._crashed("loading")
+        if "error" in msg:
+            self.close()
+            _raise_payload(msg["error"])
+        self._info: dict[str, Any] = dict(msg.get("ok") or {})
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{model.name}")
+        self._reader.start()
 
+    # -- plumbing ---------------------------------------------------------------------------
     def _drain_stderr(self) -> None:
         assert self.proc.stderr
         debug = bool(os.environ.get("LOCALRUN_DEBUG"))
@@ -124,6 +164,7 @@ class WorkerSession:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
+        self._stderr_thread.join(timeout=2)
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         reason = ""
         for line in reversed(self.stderr_tail):
@@ -133,109 +174,197 @@ class WorkerSession:
         detail = f"{how}{': ' + reason if reason else ''}"
         return EngineCrashedError(
             f"the {self.backend} engine crashed while {activity} model '{self.model.name}' ({detail})",
-            "the model file may be damaged or unsupported; localrun is still running, try another model",
+            "the model file may be damaged or unsupported; localrun is still running, try again or another model",
         )
 
-    def _recv(self, activity: str, timeout: float | None = None) -> Any:
-        msg = self.chan.recv(timeout)
-        if msg is None and self.chan.eof:
-            raise self._crashed(activity)
-        return msg
+    def _read(self) -> None:
+        """Route the worker's messages to the requests waiting for them; on EOF, fail them all."""
+        chan, queues = self.chan, self._queues
+        while True:
+            msg = chan.recv()
+            if msg is None:
+                if chan.eof:
+                    break
+                continue
+            rid = msg.get("i")
+            if rid is None:
+                if "s" in msg:
+                    self.stats = (msg["s"][0], msg["s"][1])
+                continue
+            q = queues.get(rid)
+            if q is not None:
+                q.put(msg)
+        closing = self.proc.poll() is not None and self.proc.returncode == 0
+        self._dead = EngineCrashedError(f"the {self.backend} engine of '{self.model.name}' was closed") \
+            if closing else self._crashed("generating with")
+        for q in list(queues.values()):
+            q.put(self._dead)
 
-    def _call(self, message: dict[str, Any], activity: str) -> Any:
+    def _send(self, obj: dict[str, Any]) -> None:
+        with self._send_lock:
+            try:
+                self.chan.send(obj)
+            except OSError:
+                pass  # the worker is gone; the reader reports it
+
+    def _open(self, q: queue.SimpleQueue[Any] | None = None) -> tuple[int, queue.SimpleQueue[Any]]:
+        if self._dead is not None:
+            raise self._dead
         if self.proc.poll() is not None:
             raise EngineError("the engine process has stopped", "load the model again")
-        self.chan.send(message)
-        msg = self._recv(activity)
-        if "error" in msg:
-            _raise_payload(msg["error"])
-        return msg.get("ok")
+        rid = next(self._ids)
+        q = q if q is not None else queue.SimpleQueue()
+        self._queues[rid] = q
+        return rid, q
+
+    @staticmethod
+    def _get(q: queue.SimpleQueue[Any], timeout: float) -> Any:
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        rid, q = self._open()
+        try:
+            self._send({"op": "call", "i": rid, "method": method, "args": list(args)})
+            while True:
+                msg = self._get(q, 0.5)
+                if isinstance(msg, LocalrunError):
+                    raise msg
+                if msg is None:
+                    continue
+                if "error" in msg:
+                    _raise_payload(msg["error"])
+                return msg.get("ok")
+        finally:
+            self._queues.pop(rid, None)
+
+    # -- the Session protocol ---------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def info(self) -> dict[str, Any]:
-        return dict(self._info or {})
+        return dict(self._info)
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run a named engine method in the worker (e.g. tokenize)."""
-        return self._call({"op": "call", "method": method, "args": list(args)}, f"running {method} on")
+    def tokenize(self, request: Request) -> list[int]:
+        return list(self._call("tokenize", request.to_dict()))
 
-    def _exchange(self, request: dict[str, Any], cancel: Cancel | None) -> Generator[dict[str, Any], None, None]:
-        """Send one generation request and yield the worker's messages up to the final one
-        ("chunk" or "done"). A set cancel or Ctrl-C stops the engine between tokens; a consumer
-        that stops early cancels and drains, so the next request starts clean."""
-        if self.busy:
-            raise EngineError("this model is already generating", "wait for the reply to finish")
-        if self.proc.poll() is not None:
-            raise EngineError("the engine process has stopped", "load the model again")
-        self.busy = True
-        self.chan.send(request)
+    def embed(self, texts: list[str]) -> Embeddings:
+        out = self._call("embed", list(texts))
+        return Embeddings(out["vectors"], out["prompt_tokens"])
+
+    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Generator[Chunk, None, None]:
+        rid, q = self._open()
+        self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict()})
         cancelled = finished = False
         try:
             while True:
                 try:
                     if not cancelled and cancel is not None and cancel.is_set():
                         cancelled = True
-                        self.chan.send({"op": "cancel"})
-                    msg = self._recv("generating with", 0.05 if cancel is not None and not cancelled else None)
+                        self._send({"op": "cancel", "i": rid})
+                    msg = self._get(q, 0.05 if cancel is not None and not cancelled else 0.5)
                 except KeyboardInterrupt:
                     # Ctrl-C: stop the reply, keep the engine (it ignores SIGINT).
                     if not cancelled:
                         cancelled = True
-                        self.chan.send({"op": "cancel"})
+                        self._send({"op": "cancel", "i": rid})
                     continue
                 if msg is None:
                     continue
-                if "error" in msg:
+                if isinstance(msg, LocalrunError):
                     finished = True
-                    _raise_payload(msg["error"])
-                finished = "chunk" in msg or "done" in msg
-                yield msg
-                if finished:
-                    return
-        except GeneratorExit:
-            if not finished:
-                self.chan.send({"op": "cancel"})
-                while True:
-                    msg = self._recv("generating with")
-                    if "error" in msg or "chunk" in msg or "done" in msg:
-                        break
-            raise
-        finally:
-            self.busy = False
-
-    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        message = {"op": "stream", "request": request.to_dict(), "params": params.to_dict()}
-        with closing(self._exchange(message, cancel)) as messages:
-            for msg in messages:
+                    raise msg
                 text = msg.get("t")
-                yield Chunk(text=text) if text is not None else Chunk.from_dict(msg["chunk"])
+                if text is not None:
+                    lps = msg.get("l")
+                    yield Chunk(text=text, logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ())
+                    continue
+                finished = True
+                if "error" in msg:
+                    _raise_payload(msg["error"])
+                yield Chunk.from_dict(msg["chunk"])
+                return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._send({"op": "cancel", "i": rid})  # the consumer stopped early
 
-    def batch(self, rows: list[dict[str, Any]], params: GenerationParams,
-              cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
-        """Generate many rows concurrently in the engine; yields events as rows finish.
+    def generate_many(self, rows: list[tuple[Any, Request, GenerationParams]],
+                      cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
+        """Run rows through the engine loop, a window of them in flight; yield each as it ends."""
+        q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        window = max(2 * int(self._info.get("n_parallel") or 1), 8)
+        pending = iter(rows)
+        inflight: dict[int, Any] = {}
+        last_stats = self.stats
+        cancelled = False
 
-        rows are {"id", "request", "params"?} (params: a full GenerationParams dict overriding
-        `params`); events are {"row": {"id", "text", ...} | {"id", "error"}},
-        {"progress": {"prompt_tokens", "completion_tokens"}} and a last {"done": {...}}.
-        When cancel is set (or on Ctrl-C) the engine stops; rows it finished are still yielded.
-        """
-        message = {"op": "batch", "rows": rows, "params": params.to_dict()}
-        with closing(self._exchange(message, cancel)) as messages:
-            for msg in messages:
-                if "r" in msg:
-                    yield {"row": msg["r"]}
-                elif "p" in msg:
-                    yield {"progress": {"prompt_tokens": msg["p"][0], "completion_tokens": msg["p"][1]}}
-                elif "done" in msg:
-                    yield {"done": msg["done"]}
+        def submit_more() -> None:
+            while not cancelled and len(inflight) < window:
+                row = next(pending, None)
+                if row is None:
+                    return
+                rid, _ = self._open(q)
+                inflight[rid] = row[0]
+                self._send({"op": "submit", "i": rid, "request": row[1].to_dict(), "params": row[2].to_dict(),
+                            "stream": False})
+
+        try:
+            submit_more()
+            while inflight:
+                try:
+                    if not cancelled and cancel is not None and cancel.is_set():
+                        cancelled = True
+                        for rid in inflight:
+                            self._send({"op": "cancel", "i": rid})
+                    msg = self._get(q, 0.25)
+                except KeyboardInterrupt:
+                    if not cancelled:
+                        cancelled = True
+                        for rid in inflight:
+                            self._send({"op": "cancel", "i": rid})
+                    continue
+                if isinstance(msg, LocalrunError):
+                    raise msg
+                if msg is not None:
+                    rid = msg["i"]
+                    row_id = inflight.pop(rid)
+                    self._queues.pop(rid, None)
+                    if "error" in msg:
+                        yield {"row": {"id": row_id, "error": str(_payload_error(msg["error"]))}}
+                    else:
+                        c = msg["chunk"]
+                        if c["finish_reason"] != "cancelled":
+                            yield {"row": {"id": row_id, "text": msg.get("text") or "", "finish_reason": c["finish_reason"],
+                                           "prompt_tokens": c["prompt_tokens"], "completion_tokens": c["completion_tokens"],
+                                           "seed": c["seed"], "cached_tokens": c.get("cached_tokens", 0)}}
+                    submit_more()
+                if self.stats != last_stats:
+                    last_stats = self.stats
+                    yield {"progress": {"prompt_tokens": last_stats[0], "completion_tokens": last_stats[1]}}
+        finally:
+            for rid in inflight:
+                self._queues.pop(rid, None)
+                self._send({"op": "cancel", "i": rid})
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.chan.send({"op": "close"})
+                self._send({"op": "close"})
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=5)
         self._stderr_thread.join(timeout=5)  # it ends at EOF; closing its file under it would race
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f:
@@ -250,131 +379,100 @@ class WorkerSession:
 # -- worker side -------------------------------------------------------------------------------
 
 
-class _PipeCancel:
-    """Cancel flag that polls the parent's pipe between tokens."""
+class _PipeSink:
+    """Sends the engine loop's output up the pipe; the per-token message stays tiny."""
 
     def __init__(self, chan: _Channel) -> None:
-        self.chan = chan
-        self.flag = False
+        self.send = chan.send
 
-    def is_set(self) -> bool:
-        if not self.flag:
-            msg = self.chan.recv(0)
-            if msg is not None and msg.get("op") == "cancel":
-                self.flag = True
-            elif self.chan.eof:
-                self.flag = True
-        return self.flag
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
+        if logprobs:
+            self.send({"i": rid, "t": text, "l": [lp.to_list() for lp in logprobs]})
+        else:
+            self.send({"i": rid, "t": text})
+
+    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+        d = final.to_dict()
+        d.pop("extra", None)
+        msg: dict[str, Any] = {"i": rid, "chunk": d}
+        if text is not None:
+            msg["text"] = text
+        self.send(msg)
+
+    def error(self, rid: Any, error: LocalrunError) -> None:
+        self.send({"i": rid, "error": _error_payload(error)})
 
 
-def _batch_events(session: Any, rows: list[dict[str, Any]], params: dict[str, Any],
-                  cancel: _PipeCancel, n_parallel: int) -> Iterator[dict[str, Any]]:
-    """The session's batch events; engines whose batch() returns every result at once (MLX) run
-    groups of n_parallel rows with the same settings, so finished groups come back as they end."""
-    import inspect
-    import time
-
-    if inspect.isgeneratorfunction(type(session).batch):
-        yield from session.batch(rows, params, cancel)
-        return
-    t0 = time.perf_counter()
-    size = max(1, n_parallel)
-    totals = [0, 0]
-    i = 0
-    while i < len(rows) and not cancel.is_set():
-        group = [rows[i]]
-        while len(group) < size and i + len(group) < len(rows) and \
-                rows[i + len(group)].get("params") == rows[i].get("params"):
-            group.append(rows[i + len(group)])
-        i += len(group)
-        gp = group[0].get("params") or params
-        try:
-            results = session.batch([r["request"] for r in group], gp, cancel)
-        except LocalrunError:
-            if len(group) == 1:
-                raise
-            # One bad row fails the whole group: run them one by one to find it.
-            results = []
-            for r in group:
-                try:
-                    results.extend(session.batch([r["request"]], gp, cancel))
-                except LocalrunError as e:
-                    results.append({"error": str(e)})
-        if cancel.is_set():
-            break
-        for r, res in zip(group, results, strict=True):
-            totals[0] += res.get("prompt_tokens", 0)
-            totals[1] += res.get("completion_tokens", 0)
-            yield {"row": {"id": r.get("id"), **res}}
-        yield {"progress": {"prompt_tokens": totals[0], "completion_tokens": totals[1]}}
-    yield {"done": {"prompt_tokens": totals[0], "completion_tokens": totals[1], "reused_tokens": 0,
-                    "cancelled": cancel.is_set(), "seconds": time.perf_counter() - t0}}
+STATS_EVERY_S = 0.25
 
 
 def serve() -> None:
-    """The worker's main loop."""
+    """The worker's main loop: read requests between engine steps, block when idle."""
+    from localrun.backends.loop import EngineLoop
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which cancels
     proto = os.dup(1)
     os.dup2(2, 1)  # stray prints from native code must not corrupt the protocol
     chan = _Channel(0, proto)
-    session: Any = None
-    n_parallel = 1
-    while True:
-        msg = chan.recv()
-        if msg is None:
-            if chan.eof:
-                break
-            continue
-        op = msg.get("op")
-        try:
-            if op == "load":
-                from localrun.backends.base import get_backend
+    sink = _PipeSink(chan)
+    engine: Any = None
+    loop: EngineLoop | None = None
+    last_stats = time.perf_counter()
+    running = True
+    while running:
+        busy = loop is not None and loop.busy
+        msgs = chan.recv_all(0 if busy else None)
+        if not msgs and chan.eof:
+            break
+        for msg in msgs:
+            op, rid = msg.get("op"), msg.get("i")
+            try:
+                if op == "submit" and loop is not None:
+                    loop.submit(rid, Request.from_dict(msg["request"]), GenerationParams.from_dict(msg["params"]),
+                                stream=msg.get("stream", True))
+                elif op == "cancel" and loop is not None:
+                    loop.cancel(rid)
+                elif op == "call" and engine is not None:
+                    chan.send({"i": rid, "ok": _call(engine, msg["method"], msg.get("args", []))})
+                elif op == "load":
+                    from localrun.backends.base import get_backend
 
-                model = ModelInfo(**msg["model"])
-                options = LoadOptions(**msg["options"])
-                session = get_backend(msg["backend"]).load(model, options)
-                n_parallel = options.n_parallel
-                chan.send({"ok": session.info()})
-            elif op == "stream":
-                cancel = _PipeCancel(chan)
-                send = chan.send
-                for chunk in session.stream(Request.from_dict(msg["request"]),
-                                            GenerationParams.from_dict(msg["params"]), cancel):
-                    if not chunk.done:
-                        send({"t": chunk.text})  # the per-token message stays tiny
-                        continue
-                    final = chunk.to_dict()
-                    if cancel.flag:
-                        final["finish_reason"] = "cancelled"
-                    send({"chunk": final})
-            elif op == "batch":
-                cancel = _PipeCancel(chan)
-                send = chan.send
-                for event in _batch_events(session, msg["rows"], msg["params"], cancel, n_parallel):
-                    if "row" in event:
-                        send({"r": event["row"]})
-                    elif "progress" in event:
-                        p = event["progress"]
-                        send({"p": [p["prompt_tokens"], p["completion_tokens"]]})
-                    else:
-                        send({"done": {**event["done"], "cancelled": cancel.flag}})
-            elif op == "call":
-                chan.send({"ok": getattr(session, msg["method"])(*msg.get("args", []))})
-            elif op == "system_info":
-                from localrun.backends.base import get_backend
+                    options = LoadOptions(**msg["options"])
+                    engine = get_backend(msg["backend"]).load(ModelInfo(**msg["model"]), options)
+                    loop = EngineLoop(engine, sink, options.max_queue)
+                    chan.send({"i": rid, "ok": engine.info()})
+                elif op == "close":
+                    running = False
+                    break
+                else:
+                    chan.send({"i": rid, "error": {"type": "EngineError", "message": f"unexpected op {op!r}"}})
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the parent
+                chan.send({"i": rid, "error": _error_payload(e)})
+        if loop is not None and loop.busy and running:
+            try:
+                loop.step()
+            except Exception as e:  # noqa: BLE001 - a bug must not leave requests hanging
+                loop.fail_all(EngineError(f"the engine loop failed: {type(e).__name__}: {e}"))
+            now = time.perf_counter()
+            if now - last_stats >= STATS_EVERY_S:
+                last_stats = now
+                if any(not j.stream for j in loop.jobs.values()):
+                    chan.send({"s": [loop.prompt_tokens, loop.completion_tokens]})
+    if loop is not None:
+        loop.cancel_all()
+    if engine is not None:
+        engine.close()
 
-                backend = get_backend(msg["backend"])
-                chan.send({"ok": backend.system_info()})  # type: ignore[attr-defined]
-            elif op == "cancel":
-                continue  # arrived after the reply ended
-            elif op == "close":
-                break
-            else:
-                chan.send({"error": {"type": "EngineError", "message": f"unknown op {op!r}"}})
-        except Exception as e:  # noqa: BLE001 - every failure goes back to the parent
-            chan.send({"error": _error_payload(e)})
-    if session is not None:
-        session.close()
+
+def _call(engine: Any, method: str, args: list[Any]) -> Any:
+    if method == "tokenize":
+        return engine.prompt_tokens(Request.from_dict(args[0]), [])
+    if method == "embed":
+        e = engine.embed(args[0])
+        return {"vectors": e.vectors, "prompt_tokens": e.prompt_tokens}
+    if method == "info":
+        return engine.info()
+    raise EngineError(f"unknown engine call {method!r}")
 
 
 if __name__ == "__main__":

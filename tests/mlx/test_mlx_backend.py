@@ -32,10 +32,11 @@ def bos_template_model(models: Models, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def in_process(bos_template_model: Path) -> Iterator[Any]:
     """An MLX session in this process, to look at its tokenization directly."""
+    from localrun.backends.loop import InProcess
     from localrun.backends.mlx import MLXBackend
 
-    session = MLXBackend().load(Store(bos_template_model.parent / ".store").get(str(bos_template_model)),
-                                LoadOptions(n_ctx=256))
+    session = InProcess(MLXBackend().load(Store(bos_template_model.parent / ".store").get(str(bos_template_model)),
+                                          LoadOptions(n_ctx=256)))
     yield session
     session.close()
 
@@ -123,18 +124,17 @@ def test_probing_and_choosing_mlx_imports_no_mlx(models: Models) -> None:
 
 
 def test_batch_through_mlx_lm_equals_one_by_one(models: Models) -> None:
-    """mlx-lm's continuous batching, run by name in the worker: greedy text as sequential."""
+    """mlx-lm's continuous batching under the engine loop: greedy text as sequential."""
     prompts = ["Once upon a time", "Lily and Tom went to the park", "The little dog"]
     session = load(models.plain.mlx, "mlx")
     try:
         params = GenerationParams(temperature=0, max_tokens=30)
         one_by_one = [collect(session, Request.raw(p), params)[0] for p in prompts]
-        out = session.call("batch", [Request.raw(p).to_dict() for p in prompts], params.to_dict())
+        out = _many(session, prompts, params)
         assert [r["text"] for r in out] == one_by_one
         assert all(r["finish_reason"] == "length" and r["completion_tokens"] == 30 for r in out)
         stop = "park"
-        stopped = session.call("batch", [Request.raw(p).to_dict() for p in prompts],
-                               GenerationParams(temperature=0, max_tokens=30, stop=(stop,)).to_dict())
+        stopped = _many(session, prompts, GenerationParams(temperature=0, max_tokens=30, stop=(stop,)))
         for r, full in zip(stopped, one_by_one, strict=True):
             if stop in full:
                 assert r["text"] == full[: full.index(stop)] and r["finish_reason"] == "stop"
@@ -143,3 +143,10 @@ def test_batch_through_mlx_lm_equals_one_by_one(models: Models) -> None:
         assert any(r["finish_reason"] == "stop" for r in stopped)
     finally:
         session.close()
+
+
+def _many(session: Any, prompts: list[str], params: GenerationParams) -> list[dict[str, Any]]:
+    """Results of the engine loop's batch path, in prompt order."""
+    rows = {e["row"]["id"]: e["row"] for e in session.generate_many([(i, Request.raw(p), params)
+                                                                      for i, p in enumerate(prompts)]) if "row" in e}
+    return [rows[i] for i in range(len(prompts))]

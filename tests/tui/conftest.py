@@ -28,4 +28,4 @@ def make_app() -> Iterator[Callable[..., Any]]:
 
     yield make
     for app in apps:
-        app.engine.close()
+        app.models.close()

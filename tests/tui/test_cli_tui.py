@@ -32,12 +32,12 @@ def test_generation_flags_become_the_defaults_of_new_chats(starter: Path) -> Non
             conv = app.mode_screens["chat"].conversation
             assert conv.model == "smollm2:135m" and conv.system == "Be brief."
             assert (conv.params.temperature, conv.params.seed, conv.params.top_k, conv.params.max_tokens) == (0, 1, 5, 7)
-            assert app.engine.options.n_ctx == 512
+            assert app.models.options.n_ctx == 512
 
     try:
         asyncio.run(run())
     finally:
-        app.engine.close()
+        app.models.close()
 
 
 def test_bad_flag_values_fail_before_the_ui_starts() -> None:

@@ -145,13 +145,13 @@ async def _test_engine_crash_is_a_notification_and_the_app_recovers(make_app: An
         await pilot.press(*LONG)
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.stream_updates >= 2, "streamed text")
-        os.kill(app.engine._session.proc.pid, 9)  # the engine process dies mid-reply
+        os.kill(app.models.loaded()[0].pid, 9)  # the engine process dies mid-reply
         await wait_for(pilot, lambda: not screen.generating, "the failure to be reported")
         errors = [m for sev, m in app.notices if sev == "error"]
         assert errors and "crashed" in errors[-1] and "smollm2:135m" in errors[-1]
         assert screen.status.state == "error"
         assert app.conversations.get(screen.conversation.id).turns == ()
-        assert app.engine.model is None  # dropped; the next request loads the model again
+        assert app.models.loaded() == []  # dropped; the next request loads the model again
         screen.query_one("#prompt").value = ""
         app.conversations.update_settings(screen.conversation.id, "", GenerationParams(temperature=0, max_tokens=8))
         screen.conversation = app.conversations.get(screen.conversation.id)

@@ -108,12 +108,9 @@ class ChatScreen(Screen[None]):
         self.sub_title = conv.title
 
     def _context_length(self, model: str) -> int | None:
-        app: Any = self.app
-        if app.engine.model == model:
-            n = app.engine.info().get("n_ctx")
-            if n:
-                return int(n)
-        return None
+        loaded = _loaded_model(self.app, model)
+        n = loaded.info.get("n_ctx") if loaded is not None else None
+        return int(n) if n else None
 
     # -- sending -----------------------------------------------------------------------------
     @on(Input.Submitted, "#prompt")
@@ -147,7 +144,7 @@ class ChatScreen(Screen[None]):
         self.generation += 1
         self.generating = True
         self.cancel = threading.Event()
-        state = "loading model…" if self.app.engine.model != self.conversation.model else "generating…"  # type: ignore[attr-defined]
+        state = "loading model…" if _loaded_model(self.app, self.conversation.model) is None else "generating…"
         self.status.show(state=state, tokens_per_second=None)
         conv = self.conversation
         self._generate(self.generation, conv.model, prompt, conv.system, history, conv.params, self.cancel)
@@ -156,33 +153,33 @@ class ChatScreen(Screen[None]):
     def _generate(self, generation: int, model: str, prompt: str, system: str, history: list[dict[str, str]],
                   params: GenerationParams, cancel: threading.Event) -> None:
         """The engine's token loop, off the UI thread; text is posted in coalesced pieces."""
-        engine: Any = self.app.engine  # type: ignore[attr-defined]
+        models: Any = self.app.models  # type: ignore[attr-defined]
         parts: list[str] = []
         pending: list[str] = []
         last_post = time.monotonic()
         try:
-            session = engine.session(model)
-            self.app.call_from_thread(self._loaded, generation)
-            request = api.build_messages(prompt, system or None, history)
-            for chunk in api.generate(session, request, params, cancel):
-                if chunk.done:
-                    if pending:
+            with models.use(model, keep_alive=-1) as session:
+                self.app.call_from_thread(self._loaded, generation)
+                request = api.build_messages(prompt, system or None, history)
+                for chunk in api.generate(session, request, params, cancel):
+                    if chunk.done:
+                        if pending:
+                            self.post_message(ReplyText(generation, "".join(pending)))
+                        stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
+                                 "completion_tokens": chunk.completion_tokens,
+                                 "tokens_per_second": round(chunk.tokens_per_second, 2)}
+                        self.post_message(ReplyDone(generation, "".join(parts), stats))
+                        return
+                    parts.append(chunk.text)
+                    pending.append(chunk.text)
+                    now = time.monotonic()
+                    if now - last_post >= FLUSH_INTERVAL_S:
                         self.post_message(ReplyText(generation, "".join(pending)))
-                    stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
-                             "completion_tokens": chunk.completion_tokens,
-                             "tokens_per_second": round(chunk.tokens_per_second, 2)}
-                    self.post_message(ReplyDone(generation, "".join(parts), stats))
-                    return
-                parts.append(chunk.text)
-                pending.append(chunk.text)
-                now = time.monotonic()
-                if now - last_post >= FLUSH_INTERVAL_S:
-                    self.post_message(ReplyText(generation, "".join(pending)))
-                    pending.clear()
-                    last_post = now
+                        pending.clear()
+                        last_post = now
             self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
         except EngineCrashedError as e:
-            engine.drop()
+            models.drop(model)
             self.post_message(ReplyFailed(generation, str(e)))
         except LocalrunError as e:
             self.post_message(ReplyFailed(generation, str(e)))
@@ -191,7 +188,7 @@ class ChatScreen(Screen[None]):
 
     def _loaded(self, generation: int) -> None:
         if generation == self.generation and self.generating:
-            n = self.app.engine.info().get("n_ctx")  # type: ignore[attr-defined]
+            n = self._context_length(self.conversation.model) if self.conversation else None
             self.status.show(state="generating…", context_length=int(n) if n else None)
 
     async def on_reply_text(self, message: ReplyText) -> None:
@@ -330,3 +327,8 @@ class ChatScreen(Screen[None]):
         tmp.write_text(self.app.conversations.export_markdown(conv.id), encoding="utf-8")  # type: ignore[attr-defined]
         tmp.replace(out)
         self.notify(f"Exported to {out}")
+
+
+def _loaded_model(app: Any, model: str) -> Any:
+    """The pool's entry for model when it is loaded, else None."""
+    return next((m for m in app.models.loaded() if m.name == model), None)

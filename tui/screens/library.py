@@ -160,7 +160,7 @@ class LibraryScreen(Screen[None]):
     @work(thread=True, group="library-delete")
     def delete_model(self, name: str) -> None:
         try:
-            self.app.engine.release(name)  # type: ignore[attr-defined]
+            self.app.models.unload(name)  # type: ignore[attr-defined]
             api.remove_model(name)
         except LocalrunError as e:
             self.app.call_from_thread(self.notify, str(e), severity="error", timeout=8)

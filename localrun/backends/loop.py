@@ -1,0 +1,321 @@
+"""The engine loop: one scheduler per loaded model, written once for every engine.
+
+Requests arrive at any moment (`submit`) and wait in a queue; each step admits waiting requests
+into free sequence slots (continuous batching, as llama-server's slots do), advances every
+running sequence with one engine step (generating sequences and the next chunk of each new
+prompt in the same forward pass), and turns sampled tokens into text. Everything above the
+engine's step is here: prefix reuse across requests, stop strings, token budgets, the context
+limit, incremental UTF-8, cancellation, statistics.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from localrun.backends.base import Cancel, Engine, Sampled
+from localrun.chat import StopMatcher
+from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError
+from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
+
+
+class Sink(Protocol):
+    """Where the loop sends what each request produces."""
+
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None: ...
+
+    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+        """The request ended; text is the whole reply for requests submitted with stream=False."""
+        ...
+
+    def error(self, rid: Any, error: LocalrunError) -> None: ...
+
+
+def _lcp(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Job:
+    """One request: queued, then running in a slot."""
+
+    __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
+                 "slot", "n_gen", "budget", "generated", "t_submit", "t0", "t1", "sampled", "reused")
+
+    def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
+                 n_ctx: int) -> None:
+        self.rid = rid
+        self.tokens = tokens
+        self.params = params
+        self.stops = stops
+        self.stream = stream
+        self.seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.matcher = StopMatcher(stops)
+        self.detok: Any = None
+        self.parts: list[str] = []
+        self.lps: list[TokenLogprob] = []
+        self.slot = -1
+        self.n_gen = 0
+        self.budget = min(params.max_tokens or n_ctx, n_ctx - len(tokens))
+        self.generated: list[int] = []
+        self.t_submit = time.perf_counter()
+        self.t0 = self.t1 = 0.0
+        self.sampled = False
+        self.reused = 0
+
+
+class EngineLoop:
+    """Schedules requests over an engine's sequence slots; call step() while busy."""
+
+    def __init__(self, engine: Engine, sink: Sink, max_queue: int = 0) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.max_queue = max_queue  # 0: unbounded
+        self.queue: deque[_Job] = deque()
+        self.slots: list[_Job | None] = [None] * engine.n_slots
+        self.cached: list[list[int]] = [[] for _ in range(engine.n_slots)]  # tokens in each slot's KV cache
+        self.jobs: dict[Any, _Job] = {}
+        self.prompt_tokens = 0  # evaluated, over the loop's life
+        self.completion_tokens = 0
+        self.reused_tokens = 0
+        # Copying a KV stream copies all of its cells: worth it only when it saves real work.
+        self.min_copy_gain = max(4, engine.n_ctx // 256)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(j is not None for j in self.slots)
+
+    def running(self) -> int:
+        return sum(j is not None for j in self.slots)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, rid: Any, request: Request, params: GenerationParams, stream: bool = True) -> None:
+        """Queue a request; an error (bad prompt, context overflow, full queue) goes to the sink."""
+        try:
+            if self.max_queue and len(self.queue) >= self.max_queue and self.running() >= len(self.slots):
+                raise ServerBusyError(f"all {len(self.slots)} sequences are busy and {len(self.queue)} requests wait",
+                                      "retry later, or start the server with a larger --parallel or --max-queue")
+            stops = list(params.stop)
+            tokens = self.engine.prompt_tokens(request, stops)
+            n_ctx = self.engine.n_ctx
+            if len(tokens) >= n_ctx:
+                raise ContextOverflowError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}",
+                                           "use a larger --ctx or a shorter prompt")
+        except LocalrunError as e:
+            self.sink.error(rid, e)
+            return
+        job = _Job(rid, tokens, params, stops, stream, n_ctx)
+        self.jobs[rid] = job
+        self.queue.append(job)
+
+    def cancel(self, rid: Any) -> None:
+        """Stop one request (queued or running); the others go on undisturbed."""
+        job = self.jobs.get(rid)
+        if job is not None:
+            self._end(job, "cancelled")
+
+    def cancel_all(self) -> None:
+        for job in list(self.jobs.values()):
+            self._end(job, "cancelled")
+
+    def fail_all(self, error: LocalrunError) -> None:
+        """The engine failed: every request gets the error, and every slot starts afresh."""
+        for job in list(self.jobs.values()):
+            self._drop(job)
+            self.sink.error(job.rid, error)
+        self.cached = [[] for _ in self.slots]
+
+    # -- scheduling -------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what fits, run one engine step, hand out the tokens."""
+        if self.queue:
+            self._admit()
+        if not any(j is not None for j in self.slots):
+            return
+        try:
+            sampled = self.engine.step()
+        except LocalrunError as e:
+            self.fail_all(e)
+            return
+        for s in sampled:
+            self._token(s)
+
+    def _sources(self) -> list[tuple[int, list[int]]]:
+        """Slots whose KV cache holds a known prefix: idle ones, and running ones past their prompt."""
+        out = []
+        for s, job in enumerate(self.slots):
+            if job is None:
+                out.append((s, self.cached[s]))
+            elif job.sampled:
+                out.append((s, job.tokens))
+        return out
+
+    def _best(self, tokens: list[int], own: int, sources: list[tuple[int, list[int]]]) -> tuple[int, int]:
+        """(source slot, length) of the longest cached prefix of tokens, preferring the slot's own."""
+        limit = len(tokens) - 1  # the last prompt token is always evaluated: it gives the logits
+        best, best_len = own, _lcp(self.cached[own], tokens, limit) if self.slots[own] is None else 0
+        if not self.engine.can_copy:
+            return best, best_len
+        for s, cached in sources:
+            if s != own:
+                n = _lcp(cached, tokens, limit)
+                if n >= best_len + self.min_copy_gain:
+                    best, best_len = s, n
+        return best, best_len
+
+    def _admit(self) -> None:
+        free = [s for s, j in enumerate(self.slots) if j is None]
+        wave: list[tuple[int, _Job]] = []
+        while free and self.queue:
+            job = self.queue.popleft()
+            # The free slot whose cache shares the longest prefix with the prompt (llama-server's rule).
+            slot = max(free, key=lambda s: _lcp(self.cached[s], job.tokens, len(job.tokens) - 1))
+            free.remove(slot)
+            wave.append((slot, job))
+        taken = {slot for slot, _ in wave}
+        sources = [(s, c) for s, c in self._sources() if s not in taken]  # a wave member's cache may be trimmed
+        plan = {slot: self._best(job.tokens, slot, sources) for slot, job in wave}
+        if len(wave) > 1 and self.engine.can_copy:
+            # The prefix these new requests share beyond what the caches hold: evaluate it once, then copy.
+            lead_slot, lead = wave[0]
+            shared = min(len(j.tokens) - 1 for _, j in wave)
+            for _, j in wave[1:]:
+                shared = _lcp(lead.tokens, j.tokens, shared)
+            if shared >= max(n for _, n in plan.values()) + self.min_copy_gain:
+                own = _lcp(self.cached[lead_slot], lead.tokens, shared)
+                self.engine.prefill(lead_slot, lead.tokens[:shared], own)
+                self.prompt_tokens += shared - own
+                self.cached[lead_slot] = lead.tokens[:shared]
+                plan = {slot: (lead_slot, shared) for slot, _ in wave}
+        now = time.perf_counter()
+        # Slots that copy from the lead go first: the lead's own start trims nothing they need.
+        for slot, job in sorted(wave, key=lambda w: plan[w[0]][0] == w[0]):
+            src, keep = plan[slot]
+            job.slot = slot
+            job.t0 = now
+            job.detok = self.engine.detokenizer()
+            reused = job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
+            self.reused_tokens += reused
+            self.prompt_tokens += len(job.tokens) - reused
+            self.cached[slot] = []
+            self.slots[slot] = job
+
+    # -- tokens -> text -------------------------------------------------------------------
+    def _token(self, s: Sampled) -> None:
+        job = self.slots[s.slot]
+        if job is None:
+            return
+        if not job.sampled:
+            job.sampled = True
+            job.t1 = time.perf_counter()
+        tok = s.token
+        if self.engine.is_eog(tok):
+            self._end(job, "stop")
+            return
+        job.n_gen += 1
+        self.completion_tokens += 1
+        job.generated.append(tok)
+        if s.logprob is not None:
+            job.lps.append(s.logprob)
+        text = job.detok.feed(tok)
+        out, hit = job.matcher.feed(text) if job.stops else (text, False)
+        if out:
+            self._emit(job, out)
+        if hit:
+            self._end(job, "stop", flush=False)
+        elif job.n_gen >= job.budget:
+            self._end(job, "length")
+
+    def _emit(self, job: _Job, text: str) -> None:
+        if job.stream:
+            lps, job.lps = job.lps, []
+            self.sink.text(job.rid, text, lps)
+        else:
+            job.parts.append(text)
+
+    def _drop(self, job: _Job) -> None:
+        """Take a request out of the queue or its slot; the slot's KV cache stays for reuse."""
+        self.jobs.pop(job.rid, None)
+        if job.slot >= 0 and self.slots[job.slot] is job:
+            n = self.engine.finish(job.slot)
+            self.cached[job.slot] = (job.tokens + job.generated)[:n]
+            self.slots[job.slot] = None
+        else:
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                pass
+
+    def _end(self, job: _Job, finish: str, flush: bool = True) -> None:
+        self._drop(job)
+        if finish != "cancelled" and flush:
+            tail = job.matcher.feed(job.detok.flush())[0] + job.matcher.flush() if job.detok else ""
+            if tail or job.lps:
+                self._emit(job, tail)
+        t_end = time.perf_counter()
+        t0 = job.t0 or t_end
+        final = Chunk.final(finish, len(job.tokens), job.n_gen, t0, job.t1 or t_end, t_end, job.seed, job.reused)
+        self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
+
+    # -- in-process use -------------------------------------------------------------------
+    def run(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
+        """Drive the loop here for one request (tests and benchmarks without a worker)."""
+        out: list[Chunk] = []
+        box = _Collect(out)
+        self.sink, saved = box, self.sink
+        try:
+            self.submit(0, request, params)
+            while True:
+                if cancel is not None and cancel.is_set() and 0 in self.jobs:
+                    self.cancel(0)
+                if box.failure is not None:
+                    raise box.failure
+                while out:
+                    chunk = out.pop(0)
+                    yield chunk
+                    if chunk.done:
+                        return
+                self.step()
+        finally:
+            if 0 in self.jobs:
+                self.cancel(0)
+            self.sink = saved
+
+
+class _Collect:
+    def __init__(self, out: list[Chunk]) -> None:
+        self.out = out
+        self.failure: LocalrunError | None = None
+
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
+        self.out.append(Chunk(text=text, logprobs=tuple(logprobs)))
+
+    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+        self.out.append(final)
+
+    def error(self, rid: Any, error: LocalrunError) -> None:
+        self.failure = error
+
+
+class InProcess:
+    """An engine and its loop in this process, one request at a time (tests and benchmarks)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine, _Collect([]))
+
+    def tokenize(self, request: Request) -> list[int]:
+        return self.engine.prompt_tokens(request, [])
+
+    def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
+        return self.loop.run(request, params, cancel)
+
+    def close(self) -> None:
+        self.engine.close()
