@@ -122,13 +122,15 @@ def _engine_mismatch(model: ModelInfo, engine: str, candidates: tuple[str, ...])
     return message, "drop --engine to use the engine for its format"
 
 
-def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None) -> Session:
+def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None,
+         event_loop: Any = None) -> Session:
     """Load a model into an isolated engine process running its engine loop.
 
     Args:
         model: a name, a path or a ModelInfo.
         options: context size per sequence, parallel sequences, threads, GPU layers.
         engine: force "llama.cpp" or "mlx".
+        event_loop: an asyncio loop to read the engine's messages on (a server), instead of a thread.
 
     Returns:
         A Session (stream, generate_many, tokenize, embed, info, close); safe to share between
@@ -140,7 +142,7 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
     from localrun.backends.worker import WorkerSession
 
     info = model if isinstance(model, ModelInfo) else get_model(model)
-    return WorkerSession(choose_engine(info, engine), info, options or LoadOptions())
+    return WorkerSession(choose_engine(info, engine), info, options or LoadOptions(), event_loop)
 
 
 def model_pool(options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,

@@ -65,7 +65,8 @@ class Pool:
         self.engine = engine
         self.max_loaded = max(1, max_loaded)
         self.keep_alive = keep_alive
-        self._load = loader or (lambda m, o, e: api.load(m, o, engine=e))
+        self.event_loop: Any = None  # set by a server: its sessions are read on that asyncio loop
+        self._load = loader or (lambda m, o, e: api.load(m, o, engine=e, event_loop=self.event_loop))
         self._resolve = resolve or api.get_model
         self._lock = threading.Condition()
         self._entries: dict[str, _Entry] = {}

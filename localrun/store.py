@@ -147,6 +147,11 @@ def _saved_by_mlx(folder: Path) -> bool:
     return isinstance(header, dict) and (header.get("__metadata__") or {}).get("format") == "mlx"
 
 
+# Parsed headers by path, valid while (size, mtime) match: shared by every Store of the process,
+# since api.store() makes a new one per call and a 100k-entry vocabulary takes tens of ms to read.
+_META_CACHE: dict[str, tuple[tuple[int, int], ModelInfo]] = {}
+
+
 class Store:
     """The model registry plus discovered models; safe across processes."""
 
@@ -154,7 +159,7 @@ class Store:
         self.root = root or home()
         self.registry_path = self.root / "registry.json"
         self.models_dir = self.root / "models"
-        self._meta_cache: dict[str, tuple[tuple[int, int], ModelInfo]] = {}
+        self._meta_cache = _META_CACHE
 
     # -- registry file -------------------------------------------------------------------
     def _lock(self) -> Any:

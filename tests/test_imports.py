@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HEAVY = ("llama_cpp", "mlx", "mlx_lm", "torch", "transformers", "textual", "numpy", "gguf", "huggingface_hub")
+HEAVY = ("llama_cpp", "mlx", "mlx_lm", "torch", "transformers", "textual", "numpy", "gguf", "huggingface_hub",
+         "fastapi", "uvicorn", "starlette")
 
 
 def _loaded_after(code: str) -> set[str]:

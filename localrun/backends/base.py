@@ -9,7 +9,7 @@ continuous admission, prefix reuse, stops, budgets, cancellation and streaming.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -156,6 +156,15 @@ class Session(Protocol):
             ContextOverflowError: the prompt does not fit in the context.
             ServerBusyError: the engine's queue is full.
             EngineCrashedError: the engine process died.
+        """
+        ...
+
+    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Any:
+        """Submit a request whose chunks go to `deliver` (called on the engine's reader thread).
+
+        Returns:
+            A ticket: cancel(), wait(timeout) -> bool, and after the end .final (the last
+            Chunk) or .error (a LocalrunError, e.g. ContextOverflowError).
         """
         ...
 

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from localrun import errors
@@ -113,7 +113,9 @@ def _payload_error(p: dict[str, Any]) -> LocalrunError:
 class WorkerSession:
     """A model loaded in a child process, running its engine loop; safe to use from many threads."""
 
-    def __init__(self, backend: str, model: ModelInfo, options: LoadOptions) -> None:
+    def __init__(self, backend: str, model: ModelInfo, options: LoadOptions, event_loop: Any = None) -> None:
+        """Start the worker and load the model. With an asyncio event_loop, that loop reads the
+        worker's messages (the server: no thread hop per token); else a reader thread does."""
         self.backend = backend
         self.model = model
         self.options = options
@@ -145,8 +147,13 @@ class WorkerSession:
             self.close()
             _raise_payload(msg["error"])
         self._info: dict[str, Any] = dict(msg.get("ok") or {})
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{model.name}")
-        self._reader.start()
+        self._reader: threading.Thread | None = None
+        self._event_loop = event_loop
+        if event_loop is None:
+            self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{model.name}")
+            self._reader.start()
+        else:
+            event_loop.call_soon_threadsafe(event_loop.add_reader, self.chan.rfd, self._readable)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _drain_stderr(self) -> None:
@@ -177,23 +184,41 @@ class WorkerSession:
             "the model file may be damaged or unsupported; localrun is still running, try again or another model",
         )
 
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        """Route one of the worker's messages to the request waiting for it."""
+        rid = msg.get("i")
+        if rid is None:
+            if "s" in msg:
+                self.stats = (msg["s"][0], msg["s"][1])
+            return
+        q = self._queues.get(rid)
+        if q is not None:
+            q.put(msg)
+
     def _read(self) -> None:
-        """Route the worker's messages to the requests waiting for them; on EOF, fail them all."""
-        chan, queues = self.chan, self._queues
+        """The reader thread: route messages until EOF, then fail what is still waiting."""
+        chan = self.chan
         while True:
             msg = chan.recv()
             if msg is None:
                 if chan.eof:
                     break
                 continue
-            rid = msg.get("i")
-            if rid is None:
-                if "s" in msg:
-                    self.stats = (msg["s"][0], msg["s"][1])
-                continue
-            q = queues.get(rid)
-            if q is not None:
-                q.put(msg)
+            self._dispatch(msg)
+        self._fail_all()
+
+    def _readable(self) -> None:
+        """The event loop's reader: everything that has arrived, without blocking."""
+        chan = self.chan
+        chan._fill(None)  # the fd is readable: one read returns what is there
+        while chan.lines:
+            self._dispatch(json.loads(chan.lines.popleft()))
+        if chan.eof:
+            self._event_loop.remove_reader(chan.rfd)
+            threading.Thread(target=self._fail_all, daemon=True).start()  # waits for the process
+
+    def _fail_all(self) -> None:
+        queues = self._queues
         closing = self.proc.poll() is not None and self.proc.returncode == 0
         self._dead = EngineCrashedError(f"the {self.backend} engine of '{self.model.name}' was closed") \
             if closing else self._crashed("generating with")
@@ -258,6 +283,15 @@ class WorkerSession:
     def embed(self, texts: list[str]) -> Embeddings:
         out = self._call("embed", list(texts))
         return Embeddings(out["vectors"], out["prompt_tokens"])
+
+    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Ticket:
+        """Submit a request whose chunks are handed to `deliver` on the engine's reader thread as
+        they arrive (no thread of the caller wakes per token: the server's path)."""
+        ticket = Ticket(self)
+        rid, _ = self._open(_Delivery(deliver, ticket))  # type: ignore[arg-type]
+        ticket.rid = rid
+        self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict()})
+        return ticket
 
     def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Generator[Chunk, None, None]:
         rid, q = self._open()
@@ -365,6 +399,12 @@ class WorkerSession:
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=5)
+        loop = getattr(self, "_event_loop", None)
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.remove_reader, self.chan.rfd)
+            except RuntimeError:
+                pass  # the loop has stopped
         self._stderr_thread.join(timeout=5)  # it ends at EOF; closing its file under it would race
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f:
@@ -374,6 +414,52 @@ class WorkerSession:
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
             proc.kill()
+
+
+class Ticket:
+    """A request submitted with WorkerSession.start: cancel it, wait for its end."""
+
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+        self.rid = 0
+        self.done = threading.Event()
+        self.error: LocalrunError | None = None
+        self.final: Chunk | None = None
+
+    def cancel(self) -> None:
+        """Stop the request; its last chunk (finish_reason "cancelled") is still delivered."""
+        if not self.done.is_set():
+            self.session._send({"op": "cancel", "i": self.rid})
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+
+class _Delivery:
+    """Turns the worker's messages for one request into calls of a deliver callback."""
+
+    __slots__ = ("deliver", "ticket")
+
+    def __init__(self, deliver: Callable[[Chunk], None], ticket: Ticket) -> None:
+        self.deliver, self.ticket = deliver, ticket
+
+    def put(self, msg: Any) -> None:
+        t = self.ticket
+        if isinstance(msg, LocalrunError):
+            t.error = msg
+        else:
+            text = msg.get("t")
+            if text is not None:
+                lps = msg.get("l")
+                self.deliver(Chunk(text=text, logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ()))
+                return
+            if "error" in msg:
+                t.error = _payload_error(msg["error"])
+            else:
+                t.final = Chunk.from_dict(msg["chunk"])
+                self.deliver(t.final)
+        t.session._queues.pop(t.rid, None)
+        t.done.set()
 
 
 # -- worker side -------------------------------------------------------------------------------

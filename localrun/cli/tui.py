@@ -29,7 +29,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
     try:
         app.run()
     finally:
-        app.engine.close()
+        app.models.close()
     return int(app.return_code or 0)
 
 

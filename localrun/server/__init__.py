@@ -1,0 +1,131 @@
+"""The HTTP front end: an OpenAI- and Ollama-compatible server over the model pool.
+
+FastAPI is imported by the submodules only (app, openai, ollama, schemas); the server's rules
+that need no web framework live here: durations, model names, which hosts and origins may call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import ipaddress
+import math
+import re
+import socket
+
+from localrun import api
+from localrun.errors import ModelNotFoundError, UsageError
+from localrun.store import ModelInfo, normalize_name
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: float | int | str, what: str = "keep_alive") -> float:
+    """Seconds from Ollama's keep_alive forms: a number of seconds or a Go duration ("5m", "1h30m");
+    negative means forever (math.inf)."""
+    if isinstance(value, bool):
+        raise UsageError(f"invalid {what}: {value!r}", "use seconds, a duration such as '5m', or -1 for forever")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign = -1.0 if text.startswith("-") else 1.0
+            body = text.lstrip("+-")
+            parts = _PART.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise UsageError(f"invalid {what}: {value!r}",
+                                 "use seconds, a duration such as '5m' or '1h30m', or -1 for forever") from None
+            seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if math.isnan(seconds):
+        raise UsageError(f"invalid {what}: {value!r}", "use seconds, a duration such as '5m', or -1 for forever")
+    return math.inf if seconds < 0 else seconds
+
+
+# -- model names ------------------------------------------------------------------------------
+
+
+def display_name(name: str) -> str:
+    """Ollama's form of a store name: always with a tag."""
+    return name if ":" in name.rpartition("/")[2] else f"{name}:latest"
+
+
+def resolve_model(name: str) -> ModelInfo:
+    """The installed model of that name; names only resolve through the store, never as paths."""
+    wanted = normalize_name(name)
+    if not wanted:
+        raise ModelNotFoundError("no model was named", "send the model name, e.g. \"model\": \"smollm2:135m\"")
+    names = api.store().names()
+    candidates = [wanted, f"{wanted}:latest"]
+    if wanted.endswith(":latest"):
+        candidates.append(wanted[: -len(":latest")])
+    family = [n for n in names if n.split(":", 1)[0] == wanted]
+    if len(family) == 1 and ":" not in wanted:
+        candidates.append(family[0])
+    for candidate in candidates:
+        if candidate in names:
+            return api.get_model(candidate)
+    close = difflib.get_close_matches(wanted, names, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(repr(display_name(c)) for c in close)}?" if close else \
+        "list the installed models with GET /api/tags or /v1/models"
+    raise ModelNotFoundError(f"model '{name}' is not installed", hint)
+
+
+# -- who may call -------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address (or `localhost`) is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_host(value: str) -> str:
+    """The host part of a Host header: `[::1]:8080` -> `::1`, `localhost:11434` -> `localhost`."""
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    host, sep, port = value.rpartition(":")
+    return host if sep and port.isdigit() and ":" not in host else value
+
+
+@functools.lru_cache(maxsize=1)
+def _own_addresses() -> set[str]:
+    names = {socket.gethostname()}
+    try:
+        names.add(socket.getfqdn())
+        out = {str(info[4][0]) for name in names for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        out = set()
+    return out
+
+
+def host_allowed(header: str | None, bound: str) -> bool:
+    """Ollama's rule against DNS rebinding: on a loopback address, only local names reach the
+    server (loopback and private IPs, the machine's own addresses, localhost, the host name,
+    *.localhost, *.local, *.internal); an address beyond loopback was chosen on purpose."""
+    if not is_loopback(bound):
+        return True
+    host = _split_host((header or "").strip()).lower().rstrip(".")
+    if not host:
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host in ("localhost", socket.gethostname().lower()) or host.endswith((".localhost", ".local", ".internal"))
+    return ip.is_loopback or ip.is_private or ip.is_unspecified or host in _own_addresses()
+
+
+def origin_regex(extra: tuple[str, ...]) -> str:
+    """Browser origins allowed by CORS: localhost on any port, local app schemes, and --origins
+    (where `*` is a wildcard)."""
+    parts = [r"https?://(localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\])(:\d+)?",
+             r"(app|file|tauri|vscode-webview|vscode-file)://.*"]
+    parts += [".*".join(re.escape(p) for p in o.strip().rstrip("/").split("*")) for o in extra if o.strip()]
+    return "^(" + "|".join(parts) + ")$"

@@ -1,0 +1,379 @@
+"""Ollama's native API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/embed,
+/api/pull, /api/delete, /api/version and GET / (field names as in ollama's api/types.go)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from localrun import api
+from localrun import format as fmt
+from localrun.errors import LocalrunError, UsageError
+from localrun.generation import Chunk, GenerationParams, Request
+from localrun.server import display_name, errors, resolve_model
+from localrun.server.app import (
+    Emit,
+    Job,
+    Run,
+    RunResponse,
+    config_of,
+    embed,
+    fit_vector,
+    generate,
+    pool_of,
+    run_blocking,
+)
+from localrun.server.schemas import (
+    OllamaChatRequest,
+    OllamaDeleteRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaGenerating,
+    OllamaPullRequest,
+    OllamaShowRequest,
+)
+from localrun.store import ModelInfo
+
+router = APIRouter()
+VERSION = "0.12.0"  # the Ollama API version this server speaks; clients check it is recent enough
+NDJSON = "application/x-ndjson"
+FOREVER = timedelta(days=365 * 292)  # Ollama reports "never expires" as now + the largest Go duration
+EMBEDDING_ARCHS = ("bert", "nomic-bert", "jina-bert-v2", "jina-bert-v3", "t5encoder", "modern-bert", "neo-bert")
+
+
+def _now() -> str:
+    return _iso(datetime.now(timezone.utc))
+
+
+def _iso(dt: datetime) -> str:
+    return dt.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _line(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _done_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _stats(run: Run, chunk: Chunk) -> dict[str, Any]:
+    return {"done_reason": _done_reason(chunk.finish_reason), "total_duration": _ns(time.perf_counter() - run.started),
+            "load_duration": _ns(run.load_seconds), "prompt_eval_count": chunk.prompt_tokens,
+            "prompt_eval_duration": int(chunk.prompt_ms * 1e6), "eval_count": chunk.completion_tokens,
+            "eval_duration": int(chunk.decode_ms * 1e6)}
+
+
+def _logprobs(chunk: Chunk) -> list[dict[str, Any]]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in t.top]}
+            for t in chunk.logprobs]
+
+
+async def _model(name: str) -> ModelInfo:
+    return await asyncio.to_thread(resolve_model, name)
+
+
+def _digest(m: ModelInfo) -> str:
+    """A stable identifier of the installed file (hashing gigabytes per listing would be too slow)."""
+    try:
+        mtime = os.stat(m.path).st_mtime_ns
+    except OSError:
+        mtime = 0
+    return hashlib.sha256(f"{m.path}\0{m.size}\0{mtime}".encode()).hexdigest()
+
+
+def _modified(m: ModelInfo) -> str:
+    try:
+        return _iso(datetime.fromtimestamp(os.stat(m.path).st_mtime, timezone.utc))
+    except OSError:
+        return _now()
+
+
+def _details(m: ModelInfo) -> dict[str, Any]:
+    family = m.architecture or ""
+    return {"parent_model": "", "format": m.format, "family": family, "families": [family] if family else None,
+            "parameter_size": fmt.count(m.parameters) if m.parameters else "",
+            "quantization_level": m.quantization or ""}
+
+
+def _capabilities(m: ModelInfo) -> list[str]:
+    meta = m.details.get("metadata") or {}
+    arch = m.architecture or ""
+    if arch in EMBEDDING_ARCHS or meta.get(f"{arch}.pooling_type") not in (None, 0):
+        return ["embedding"]
+    return ["completion"]
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+
+async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: ModelInfo, reply: dict[str, Any]) -> Response:
+    """An empty prompt: keep_alive 0 unloads the model now, anything else loads it."""
+    keep_alive = body.keep_alive_seconds()
+    pool = pool_of(request)
+    request.state.log = {"model": display_name(model.name)}
+    if keep_alive == 0:
+        await asyncio.to_thread(pool.unload, model.name)
+        return JSONResponse({"model": body.model, "created_at": _now(), **reply, "done": True, "done_reason": "unload"})
+
+    def load() -> None:
+        with pool.use(model, keep_alive):
+            pass
+
+    await run_blocking(request, load)
+    return JSONResponse({"model": body.model, "created_at": _now(), **reply, "done": True, "done_reason": "load"})
+
+
+async def _answer(request: HttpRequest, body: OllamaGenerating, model: ModelInfo, req: Request, params: GenerationParams,
+                  key: str) -> Response:
+    """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
+    run = generate(request, model, [Job(req, params)], body.keep_alive_seconds())
+    await run.begin()
+
+    def piece(text: str) -> Any:
+        return {"role": "assistant", "content": text} if key == "message" else text
+
+    if body.stream:
+        return RunResponse(_lines(run, body, piece, key), run, NDJSON)
+    parts: list[str] = []
+    lps: list[dict[str, Any]] = []
+
+    async def collect() -> None:
+        async for _, chunk in run.items():
+            if not chunk.done:
+                parts.append(chunk.text)
+                lps.extend(_logprobs(chunk))
+
+    await run.complete(collect())
+    out = {"model": body.model, "created_at": _now(), key: piece("".join(parts)), "done": True,
+           **_stats(run, run.finals[0])}
+    if body.logprobs:
+        out["logprobs"] = lps
+    return JSONResponse(out)
+
+
+async def _lines(run: Run, body: OllamaGenerating, piece: Any, key: str) -> AsyncIterator[bytes]:
+    try:
+        async for _, chunk in run.items():
+            if chunk.done:
+                yield _line({"model": body.model, "created_at": _now(), key: piece(""), "done": True,
+                             **_stats(run, chunk)})
+            elif chunk.text or body.logprobs:
+                line: dict[str, Any] = {"model": body.model, "created_at": _now(), key: piece(chunk.text), "done": False}
+                if body.logprobs:
+                    line["logprobs"] = _logprobs(chunk)
+                yield _line(line)
+    except LocalrunError as e:
+        yield _line(errors.ollama_body(e))
+
+
+@router.post("/api/chat")
+async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
+    """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
+    model = await _model(body.required_model())
+    params = body.generation()
+    if not body.messages:
+        return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
+    req = Request.chat([{"role": m.role, "content": m.content} for m in body.messages])
+    return await _answer(request, body, model, req, params, "message")
+
+
+@router.post("/api/generate")
+async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Response:
+    """A completion of the prompt (templated as a user turn unless raw); an empty prompt loads
+    or unloads the model."""
+    model = await _model(body.required_model())
+    params = body.generation()
+    if not body.prompt:
+        return await _load_or_unload(request, body, model, {"response": ""})
+    if body.raw:
+        req = Request.raw(body.prompt)
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+            [{"role": "user", "content": body.prompt}]
+        req = Request.chat(messages)
+    return await _answer(request, body, model, req, params, "response")
+
+
+# -- embeddings -----------------------------------------------------------------------------------
+
+
+@router.post("/api/embed")
+async def embed_(body: OllamaEmbedRequest, request: HttpRequest) -> dict[str, Any]:
+    """Unit-length embeddings of each input; an input longer than the context is an error (never truncated)."""
+    t0 = time.perf_counter()
+    model = await _model(body.required_model())
+    keep_alive = body.keep_alive_seconds()
+    texts = body.texts()
+    pool = pool_of(request)
+    result, loaded = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive))
+    request.state.log = {"model": display_name(model.name)}
+    vectors = [fit_vector(v, body.dimensions) for v in (result.vectors if result else [])]
+    return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
+            "load_duration": _ns(loaded), "prompt_eval_count": int(result.prompt_tokens) if result else 0}
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: OllamaEmbeddingsRequest, request: HttpRequest) -> dict[str, Any]:
+    """The older single-prompt endpoint: {"embedding": [...]}."""
+    model = await _model(body.required_model())
+    keep_alive = body.keep_alive_seconds()
+    texts = [body.prompt] if body.prompt else []
+    pool = pool_of(request)
+    result, _ = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive))
+    request.state.log = {"model": display_name(model.name)}
+    return {"embedding": list(result.vectors[0]) if result else []}
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+@router.api_route("/api/tags", methods=["GET", "HEAD"])
+async def tags() -> dict[str, Any]:
+    """The installed models."""
+    models = await asyncio.to_thread(api.list_models)
+    return {"models": [{"name": display_name(m.name), "model": display_name(m.name), "modified_at": _modified(m),
+                        "size": m.size, "digest": _digest(m), "details": _details(m)} for m in models]}
+
+
+@router.post("/api/show")
+async def show(body: OllamaShowRequest, request: HttpRequest) -> dict[str, Any]:
+    """A model's details, GGUF metadata (model_info), default parameters, template and capabilities."""
+    model = await _model(body.required_model())
+    meta = model.details.get("metadata") or {}
+    info = {k: (None if isinstance(v, str) and v.startswith("[") and v.endswith(" items]") else v)
+            for k, v in meta.items()}
+    if model.parameters:
+        info.setdefault("general.parameter_count", model.parameters)
+    d = GenerationParams()
+    parameters = "\n".join(f"{k:<15} {v}" for k, v in (("temperature", d.temperature), ("top_k", d.top_k),
+                                                      ("top_p", d.top_p), ("min_p", d.min_p)))
+    template = model.details.get("chat_template") or ""
+    out: dict[str, Any] = {
+        "modelfile": f"# Modelfile of {display_name(model.name)}, generated by localrun\nFROM {display_name(model.name)}\n",
+        "parameters": parameters, "template": template, "details": _details(model), "model_info": info,
+        "capabilities": _capabilities(model), "modified_at": _modified(model),
+    }
+    if model.details.get("license"):
+        out["license"] = str(model.details["license"])
+    return out
+
+
+@router.get("/api/ps")
+async def ps(request: HttpRequest) -> dict[str, Any]:
+    """The loaded models and when they expire, the longest-lived first."""
+    loaded = pool_of(request).loaded()
+    now = datetime.now(timezone.utc)
+    models = []
+    for lm in loaded:
+        expires = now + FOREVER if lm.expires_at is None else datetime.fromtimestamp(lm.expires_at, timezone.utc)
+        models.append({"name": display_name(lm.name), "model": display_name(lm.name), "size": lm.size,
+                       "digest": _digest(lm.model), "details": _details(lm.model), "expires_at": _iso(expires),
+                       "size_vram": lm.size if (lm.info or {}).get("offloaded") else 0,
+                       "context_length": (lm.info or {}).get("n_ctx") or 0})
+    models.sort(key=lambda m: m["expires_at"], reverse=True)
+    return {"models": models}
+
+
+@router.delete("/api/delete")
+async def delete(body: OllamaDeleteRequest, request: HttpRequest) -> Response:
+    """Unload and remove a model (files the store downloaded are deleted, added files are kept)."""
+    model = await _model(body.required_model())
+    request.state.log = {"model": display_name(model.name)}
+    await asyncio.to_thread(pool_of(request).unload, model.name)
+    await asyncio.to_thread(api.remove_model, model.name)
+    return Response(status_code=200)
+
+
+def _hub_spec(name: str) -> str:
+    """A Hub spec from an Ollama-style pull name: `hf.co/ORG/NAME:QUANT` or `ORG/NAME[:QUANT]`;
+    the default tag `latest` means the default quantization."""
+    spec = name.strip()
+    if spec.endswith(":latest"):
+        spec = spec[: -len(":latest")]
+    if "/" not in spec:
+        raise UsageError(f"'{name}' is an Ollama library name; this server pulls from Hugging Face",
+                         "pull ORG/NAME[:QUANT] or hf.co/ORG/NAME[:QUANT], e.g. 'hf.co/Qwen/Qwen3-0.6B-GGUF:Q4_K_M'")
+    return spec
+
+
+@router.post("/api/pull")
+async def pull(body: OllamaPullRequest, request: HttpRequest) -> Response:
+    """Download a model from the Hub through localrun's own pull, streaming status lines."""
+    if not config_of(request).pull_allowed:
+        return JSONResponse({"error": "pulling models is off on a server that listens beyond loopback; "
+                                      "restart it with --allow-pull"}, status_code=403)
+    spec = _hub_spec(body.required_model())
+
+    def work(run: Run, emit: Emit) -> None:
+        # The first line waits for the plan, so an unknown repository still gets its status code.
+        begun = False
+
+        def progress(p: Any) -> None:
+            nonlocal begun
+            if not begun:
+                begun = True
+                emit({"status": "pulling manifest"})
+            if p.phase == "verify":
+                emit({"status": "verifying sha256 digest", "digest": p.filename})
+            else:
+                emit({"status": f"pulling {p.filename}", "digest": p.filename, "total": p.total, "completed": p.done})
+
+        api.pull(spec, progress=progress, cancel=run.cancel)
+        if not begun:
+            emit({"status": "pulling manifest"})
+        emit({"status": "writing manifest"})
+        emit({"status": "success"})
+
+    run = Run([work], request, spec)
+    await run.begin()
+    if body.stream:
+        return RunResponse(_pull_lines(run), run, NDJSON)
+    last: dict[str, Any] = {}
+
+    async def collect() -> None:
+        nonlocal last
+        async for _, item in run.items():
+            last = item
+
+    await run.complete(collect())
+    return JSONResponse(last)
+
+
+async def _pull_lines(run: Run) -> AsyncIterator[bytes]:
+    try:
+        async for _, item in run.items():
+            yield _line(item)
+    except LocalrunError as e:
+        yield _line(errors.ollama_body(e))
+
+
+# -- the server itself ------------------------------------------------------------------------------
+
+
+@router.api_route("/api/version", methods=["GET", "HEAD"])
+async def version() -> dict[str, str]:
+    from localrun import __version__
+
+    return {"version": VERSION, "localrun": __version__}
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root() -> Response:
+    return PlainTextResponse("localrun is running (Ollama and OpenAI APIs)")

@@ -1,0 +1,291 @@
+"""The OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import struct
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
+from localrun import api
+from localrun.errors import LocalrunError, UsageError
+from localrun.generation import Chunk, GenerationParams, Request
+from localrun.server import display_name, errors, resolve_model
+from localrun.server.app import (
+    Job,
+    Run,
+    RunResponse,
+    embed,
+    fit_vector,
+    generate,
+    pool_of,
+    run_blocking,
+)
+from localrun.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+from localrun.store import ModelInfo
+
+router = APIRouter(prefix="/v1")
+ROLES = {"developer": "system", "function": "tool"}  # OpenAI's newer and older names
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+_HOLE = "\u0000localrun-text\u0000"
+
+
+def _sse_template(obj: Any) -> tuple[bytes, bytes]:
+    """The bytes of _sse(obj) before and after the string _HOLE: the per-token event is then one
+    json.dumps of the text, not of the whole chunk (the stream's hot path)."""
+    data = _sse(obj)
+    hole = json.dumps(_HOLE, ensure_ascii=False).encode()
+    before, after = data.split(hole)
+    return before, after
+
+
+def _finish(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _seeded(params: GenerationParams, i: int) -> GenerationParams:
+    """The settings of choice i: different seeds when a seed was given, so choices differ."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % 2**32)
+
+
+def _text(message: ChatMessage, i: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise UsageError(f"message {i} has a '{part.type}' part; only text is supported",
+                             "send text parts (images and audio are not supported yet)")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _usage(run: Run, jobs: list[Job]) -> dict[str, Any]:
+    """Token counts; a prompt answered by n choices counts once."""
+    prompts: dict[int, tuple[int, int]] = {}
+    completion = 0
+    for i, chunk in run.finals.items():
+        k = jobs[i].prompt_index
+        prompts[k] = max(prompts.get(k, (0, 0)), (chunk.prompt_tokens, chunk.cached_tokens))
+        completion += chunk.completion_tokens
+    prompt = sum(p for p, _ in prompts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
+
+
+def _token(t: Any) -> dict[str, Any]:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+
+
+def _chat_logprobs(tokens: list[Any]) -> dict[str, Any]:
+    return {"content": [{**_token(t), "top_logprobs": [_token(a) for a in t.top]} for t in tokens], "refusal": None}
+
+
+def _completion_logprobs(tokens: list[Any], offset: int) -> dict[str, Any]:
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
+
+
+def _logprobs_of(chunk: Chunk) -> list[Any]:
+    return list(chunk.logprobs)
+
+
+async def _collect(run: Run) -> tuple[dict[int, str], dict[int, list[Any]]]:
+    texts: dict[int, list[str]] = defaultdict(list)
+    lps: dict[int, list[Any]] = defaultdict(list)
+    async for i, chunk in run.items():
+        if not chunk.done:
+            texts[i].append(chunk.text)
+            lps[i].extend(_logprobs_of(chunk))
+    return {i: "".join(t) for i, t in texts.items()}, lps
+
+
+async def _model(name: str) -> ModelInfo:
+    return await asyncio.to_thread(resolve_model, name)
+
+
+def _model_object(m: ModelInfo) -> dict[str, Any]:
+    try:
+        created = int(os.stat(m.path).st_mtime)
+    except OSError:
+        created = 0
+    return {"id": display_name(m.name), "object": "model", "created": created, "owned_by": "localrun"}
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+@router.get("/models")
+async def list_models() -> dict[str, Any]:
+    """The installed models."""
+    models = await asyncio.to_thread(api.list_models)
+    return {"object": "list", "data": [_model_object(m) for m in models]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str) -> dict[str, Any]:
+    """One installed model."""
+    return _model_object(await _model(model_id))
+
+
+# -- chat completions -----------------------------------------------------------------------------
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
+    """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
+    model = await _model(body.model)
+    params = body.generation()
+    messages = [{"role": ROLES.get(m.role, m.role), "content": _text(m, i)} for i, m in enumerate(body.messages)]
+    req = Request.chat(messages)
+    jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
+    run = generate(request, model, jobs, None)
+    await run.begin()
+    name = display_name(model.name)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
+            "system_fingerprint": "localrun"}
+    if body.stream:
+        return RunResponse(_chat_events(run, jobs, head, body), run, "text/event-stream")
+    texts, lps = await run.complete(_collect(run))
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
+                "logprobs": _chat_logprobs(lps[i]) if body.logprobs else None,
+                "finish_reason": _finish(run.finals[i].finish_reason)} for i in range(len(jobs))]
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(run, jobs)})
+
+
+async def _chat_events(run: Run, jobs: list[Job], head: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    base = {**head, "object": "chat.completion.chunk"}
+    extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
+
+    def event(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                     **extra})
+
+    templates = [_sse_template({**base, "choices": [{"index": i, "delta": {"content": _HOLE}, "logprobs": None,
+                                                      "finish_reason": None}], **extra}) for i in range(len(jobs))]
+    dumps = json.dumps
+    try:
+        for i in range(len(jobs)):
+            yield event(i, {"role": "assistant", "content": ""})
+        async for i, chunk in run.items():
+            if not chunk.done:
+                if not body.logprobs:
+                    if chunk.text:
+                        before, after = templates[i]
+                        yield before + dumps(chunk.text, ensure_ascii=False).encode() + after
+                    continue
+                lps = _logprobs_of(chunk)
+                if chunk.text or lps:
+                    yield event(i, {"content": chunk.text}, logprobs=_chat_logprobs(lps))
+            else:
+                yield event(i, {}, _finish(chunk.finish_reason))
+        if body.include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(run, jobs)})
+        yield b"data: [DONE]\n\n"
+    except LocalrunError as e:
+        yield _sse(errors.openai_body(e))
+
+
+# -- text completions -----------------------------------------------------------------------------
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
+    """Plain-text continuations of each prompt (n per prompt), streamed or as one JSON object."""
+    model = await _model(body.model)
+    params = body.generation()
+    if body.echo and body.logprobs is not None:
+        raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
+    prompts = body.prompts()
+    jobs = [Job(Request.raw(p), _seeded(params, j), k) for k, p in enumerate(prompts) for j in range(body.n)]
+    run = generate(request, model, jobs, None)
+    await run.begin()
+    name = display_name(model.name)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
+            "system_fingerprint": "localrun"}
+    echo = [prompts[job.prompt_index] if body.echo else "" for job in jobs]
+    if body.stream:
+        return RunResponse(_completion_events(run, jobs, head, body, echo), run, "text/event-stream")
+    texts, lps = await run.complete(_collect(run))
+    choices = [{"index": i, "text": echo[i] + texts.get(i, ""),
+                "logprobs": _completion_logprobs(lps[i], 0) if body.logprobs is not None else None,
+                "finish_reason": _finish(run.finals[i].finish_reason)} for i in range(len(jobs))]
+    return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": _usage(run, jobs)})
+
+
+async def _completion_events(run: Run, jobs: list[Job], head: dict[str, Any], body: CompletionRequest,
+                             echo: list[str]) -> AsyncIterator[bytes]:
+    base = {**head, "object": "text_completion"}
+    extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
+    offsets = [0] * len(jobs)
+
+    def event(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        return _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                     **extra})
+
+    try:
+        for i, text in enumerate(echo):
+            if text:
+                yield event(i, text)
+        async for i, chunk in run.items():
+            if not chunk.done:
+                lps = _logprobs_of(chunk)
+                if chunk.text or lps:
+                    logprobs = _completion_logprobs(lps, offsets[i]) if body.logprobs is not None else None
+                    offsets[i] += len(chunk.text)
+                    yield event(i, chunk.text, logprobs=logprobs)
+            else:
+                yield event(i, "", _finish(chunk.finish_reason))
+        if body.include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(run, jobs)})
+        yield b"data: [DONE]\n\n"
+    except LocalrunError as e:
+        yield _sse(errors.openai_body(e))
+
+
+# -- embeddings -----------------------------------------------------------------------------------
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, request: HttpRequest) -> dict[str, Any]:
+    """Embeddings of the inputs, unit length, as floats or base64 (little-endian float32)."""
+    model = await _model(body.model)
+    texts = body.texts()
+    pool = pool_of(request)
+    result, _ = await run_blocking(request, lambda: embed(pool, model, texts, None))
+    name = display_name(model.name)
+    request.state.log = {"model": name}
+    data = []
+    for i, vector in enumerate(result.vectors):
+        v = fit_vector(vector, body.dimensions)
+        value: Any = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if body.encoding_format == "base64" else v
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = int(result.prompt_tokens)
+    return {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,299 @@
+"""Request bodies of both API families (pydantic), and their translation to GenerationParams.
+
+Unknown fields are ignored, as OpenAI's and Ollama's own servers do with fields they do not
+know; fields that would change the answer and that localrun cannot honour are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from localrun.errors import UsageError
+from localrun.generation import GenerationParams
+from localrun.server import parse_duration
+
+MAX_N = 16  # choices per request (each one is a sequence in the engine)
+SEED_LIMIT = 2**32
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """Clients send `"field": null` for fields they leave unset."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# -- OpenAI ---------------------------------------------------------------------------------
+
+
+class ContentPart(_Body):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    """Sampling and stopping fields common to chat and text completions."""
+
+    temperature: Annotated[float | None, Field(ge=0)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    top_k: Annotated[int | None, Field(ge=0)] = None
+    repeat_penalty: Annotated[float | None, Field(gt=0)] = None
+    seed: Annotated[int | None, Field(lt=SEED_LIMIT)] = None
+    stop: str | list[str] | None = None
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+    def params(self, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
+        """GenerationParams from the fields the client set; the rest keep localrun's defaults."""
+        values: dict[str, Any] = {k: getattr(self, k) for k in (
+            "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
+            if getattr(self, k) is not None}
+        if self.seed is not None and self.seed >= 0:  # a negative seed means random, as in llama.cpp
+            values["seed"] = self.seed
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        if logprobs is not None:
+            values["logprobs"] = logprobs
+        return GenerationParams(stop=self.stops(), **values)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(Sampling):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def generation(self) -> GenerationParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
+        if self.tools:
+            raise UsageError("tools are not supported by this server yet", "send the request without tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise UsageError(f"response_format {self.response_format.get('type')!r} is not supported yet",
+                             "omit response_format or use {\"type\": \"text\"}")
+        return self.params(self.max_completion_tokens or self.max_tokens,
+                           (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class CompletionRequest(Sampling):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt or not all(isinstance(p, str) for p in self.prompt):
+            raise UsageError("prompt must be a string or a non-empty list of strings",
+                             "token arrays are not supported; send the text")
+        return [p for p in self.prompt if isinstance(p, str)]
+
+    def generation(self) -> GenerationParams:
+        if self.suffix:
+            raise UsageError("suffix (fill-in-the-middle) is not supported yet", "send the request without suffix")
+        if self.best_of not in (None, 1, self.n):
+            raise UsageError("best_of is not supported", "use n to get several completions")
+        return self.params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int | None, Field(ge=1)] = None
+    user: str | None = None
+
+    def texts(self) -> list[str]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if not self.input or not all(isinstance(p, str) for p in self.input):
+            raise UsageError("input must be a string or a non-empty list of strings",
+                             "token arrays are not supported; send the text")
+        return [p for p in self.input if isinstance(p, str)]
+
+
+# -- Ollama ---------------------------------------------------------------------------------
+
+
+class _Named(_Body):
+    """Ollama accepts the model under `model` or, in older clients, `name`."""
+
+    model: str = ""
+    name: str = ""
+
+    @model_validator(mode="after")
+    def _either(self) -> _Named:
+        if not self.model:
+            self.model = self.name
+        return self
+
+    def required_model(self) -> str:
+        if not self.model.strip():
+            raise UsageError("model is required", "send the model name, e.g. \"model\": \"smollm2:135m\"")
+        return self.model.strip()
+
+
+class OllamaOptions(_Body):
+    """The runtime options Ollama accepts; load-time ones (num_ctx, num_gpu, ...) never reload the
+    model here, so they are ignored."""
+
+    temperature: Annotated[float | None, Field(ge=0)] = None
+    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
+    top_k: Annotated[int | None, Field(ge=0)] = None
+    repeat_penalty: Annotated[float | None, Field(gt=0)] = None
+    repeat_last_n: Annotated[int | None, Field(ge=-1)] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Annotated[int | None, Field(lt=SEED_LIMIT)] = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+
+    def params(self, logprobs: int | None = None) -> GenerationParams:
+        values: dict[str, Any] = {k: getattr(self, k) for k in (
+            "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
+            if getattr(self, k) is not None}
+        if self.repeat_last_n is not None and self.repeat_last_n >= 0:
+            values["repeat_last_n"] = self.repeat_last_n
+        if self.seed is not None and self.seed >= 0:  # Ollama's default seed is -1: random
+            values["seed"] = self.seed
+        if self.num_predict is not None and self.num_predict > 0:  # -1 and -2: no limit but the context
+            values["max_tokens"] = self.num_predict
+        if logprobs is not None:
+            values["logprobs"] = logprobs
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenerationParams(stop=tuple(s for s in stops if s), **values)
+
+
+class _Loading(_Named):
+    keep_alive: float | str | None = None
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+
+    def keep_alive_seconds(self) -> float | None:
+        """Seconds to keep the model loaded after this request; None: the server's default."""
+        return None if self.keep_alive is None else parse_duration(self.keep_alive)
+
+
+class OllamaGenerating(_Loading):
+    """Fields common to /api/chat and /api/generate."""
+
+    stream: bool = True
+    format: Any = None
+    think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
+
+    def generation(self) -> GenerationParams:
+        if self.format not in (None, ""):
+            raise UsageError("format (structured output) is not supported yet", "send the request without format")
+        if self.think not in (None, False):
+            raise UsageError(f"'{self.model}' does not support thinking", "send the request without think")
+        return self.options.params(self.top_logprobs if self.logprobs else None)
+
+
+class OllamaMessage(_Body):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+    thinking: str | None = None
+
+
+class OllamaChatRequest(OllamaGenerating):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[Any] | None = None
+
+    def generation(self) -> GenerationParams:
+        if self.tools:
+            raise UsageError(f"'{self.model}' does not support tools", "send the request without tools")
+        if any(m.images for m in self.messages):
+            raise UsageError(f"'{self.model}' does not support images", "send text messages only")
+        return super().generation()
+
+
+class OllamaGenerateRequest(OllamaGenerating):
+    prompt: str = ""
+    suffix: str = ""
+    system: str = ""
+    template: str = ""
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[str] | None = None
+
+    def generation(self) -> GenerationParams:
+        if self.raw and (self.template or self.system or self.context):
+            raise UsageError("raw mode does not support template, system, or context")
+        if self.suffix:
+            raise UsageError(f"'{self.model}' does not support insert (suffix)", "send the request without suffix")
+        if self.template:
+            raise UsageError("a per-request template is not supported", "the model's own chat template is used")
+        if self.context:
+            raise UsageError("context (token arrays from an earlier reply) is not supported", "use /api/chat with messages")
+        if self.images:
+            raise UsageError(f"'{self.model}' does not support images", "send text only")
+        return super().generation()
+
+
+class OllamaEmbedRequest(_Loading):
+    input: str | list[str] = ""
+    truncate: bool | None = None
+    dimensions: Annotated[int | None, Field(ge=1)] = None
+
+    def texts(self) -> list[str]:
+        """The inputs; an empty string only loads the model."""
+        if isinstance(self.input, str):
+            return [self.input] if self.input else []
+        return list(self.input)
+
+
+class OllamaEmbeddingsRequest(_Loading):
+    prompt: str = ""
+
+
+class OllamaShowRequest(_Named):
+    verbose: bool = False
+
+
+class OllamaDeleteRequest(_Named):
+    pass
+
+
+class OllamaPullRequest(_Named):
+    stream: bool = True
+    insecure: bool = False
