@@ -43,6 +43,7 @@ test: dev lint test-tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: dev
+	$(PIP) install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

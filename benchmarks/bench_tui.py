@@ -84,7 +84,7 @@ def chat_speed(params: Any, options: Any) -> tuple[float, int, int]:
             await app.open_chat(MODEL)
             chat = app.mode_screens["chat"]
             assert isinstance(chat, ChatScreen)
-            app.engine.session(MODEL)  # load before timing, as the raw run does outside its timing
+            app.models.session(MODEL)  # load before timing, as the raw run does outside its timing
             await chat.send(PROMPT)
             await finished.wait()  # no polling: the app runs as it would for a person
             return chat.stream_updates
@@ -92,7 +92,7 @@ def chat_speed(params: Any, options: Any) -> tuple[float, int, int]:
     try:
         updates = asyncio.run(run())
     finally:
-        app.engine.close()
+        app.models.close()
         ChatScreen.on_reply_text, ChatScreen.on_reply_done = original_text, original_done  # type: ignore[method-assign]
     n = int(marks["tokens"])
     return (n - 1) / (marks["last"] - marks["first"]), n, updates

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["bench_run.py", "bench_batch.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py", "bench_tui.py"]
+BENCHES = ["bench_run.py", "bench_batch.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py", "bench_tui.py",
+           "bench_serve.py"]
 
 
 def main() -> int:

@@ -187,7 +187,7 @@ class LlamaCppEngine:
         self._free_context()
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = n_ctx * n_parallel
-        cparams.n_batch = min(options.n_batch, cparams.n_ctx) if n_parallel == 1 else max(options.n_batch, 512)
+        cparams.n_batch = min(options.n_batch, cparams.n_ctx)
         cparams.n_ubatch = min(cparams.n_batch, 512)
         cparams.n_seq_max = n_parallel
         cparams.n_threads = self.threads
@@ -204,6 +204,9 @@ class LlamaCppEngine:
                               "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
         self.n_slots = n_parallel
         self.n_batch = cparams.n_batch
+        # While sequences generate, a step takes at most this many prompt tokens: a long prompt is
+        # then processed over several steps, each of which also gives every running sequence a token.
+        self.prefill_cap = max(32, self.n_batch // 4)
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(max(cparams.n_batch, n_parallel), 0, 1)
 
@@ -344,6 +347,8 @@ class LlamaCppEngine:
                 entries.append((q.last, q.pos, s, True))
                 q.pos += 1
         room = self.n_batch - len(entries)
+        if entries:
+            room = min(room, self.prefill_cap)
         for s, q in enumerate(seqs):
             if room <= 0:
                 break

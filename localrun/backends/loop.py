@@ -99,7 +99,8 @@ class EngineLoop:
     def submit(self, rid: Any, request: Request, params: GenerationParams, stream: bool = True) -> None:
         """Queue a request; an error (bad prompt, context overflow, full queue) goes to the sink."""
         try:
-            if self.max_queue and len(self.queue) >= self.max_queue and self.running() >= len(self.slots):
+            free = len(self.slots) - self.running()
+            if self.max_queue and len(self.queue) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self.slots)} sequences are busy and {len(self.queue)} requests wait",
                                       "retry later, or start the server with a larger --parallel or --max-queue")
             stops = list(params.stop)

@@ -100,10 +100,16 @@ class LibraryScreen(Screen[None]):
         self.models, self.engines = models, engines
         table = self.query_one(DataTable)
         current = select or self.selected_name()
-        table.clear()
-        for m in models:
-            table.add_row(m.name, m.format, m.architecture or "-", count(m.parameters), m.quantization or "-",
-                          size(m.size), str(m.context_length or "-"), engines.get(m.name, "-"), key=m.name)
+        rows = [(m.name, m.format, m.architecture or "-", count(m.parameters), m.quantization or "-",
+                 size(m.size), str(m.context_length or "-"), engines.get(m.name, "-")) for m in models]
+        # Widths computed here, not by the table when it is next idle: the first frame after
+        # loading is already the final one (a snapshot or a busy machine never sees it half-sized).
+        widths = [max([len(label)] + [len(r[i]) for r in rows]) for i, label in enumerate(COLUMNS)]
+        table.clear(columns=True)
+        for label, width in zip(COLUMNS, widths, strict=True):
+            table.add_column(label, width=width)
+        for m, row in zip(models, rows, strict=True):
+            table.add_row(*row, key=m.name)
         names = [m.name for m in models]
         if current in names:
             table.move_cursor(row=names.index(current))

@@ -1,0 +1,174 @@
+"""The engine loop on the real llama.cpp engine, driven step by step in this process: continuous
+admission, chunked prompts between other sequences' tokens, one request cancelled among others,
+prefix reuse across requests, the bounded queue. Steps are counted, never timed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from localrun import api
+from localrun.backends.llama_cpp import LlamaCppEngine
+from localrun.backends.loop import EngineLoop
+from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
+
+GREEDY = GenerationParams(temperature=0, max_tokens=24)
+
+
+class Record:
+    """A sink that keeps every event in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any, Any]] = []
+
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
+        self.events.append(("text", rid, text))
+
+    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+        self.events.append(("done", rid, final))
+
+    def error(self, rid: Any, error: LocalrunError) -> None:
+        self.events.append(("error", rid, error))
+
+    def texts(self, rid: Any) -> str:
+        return "".join(t for kind, r, t in self.events if kind == "text" and r == rid)
+
+    def final(self, rid: Any) -> Chunk | None:
+        return next((c for kind, r, c in self.events if kind == "done" and r == rid), None)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaCppEngine]:
+    e = LlamaCppEngine(api.get_model("smollm2:135m"), LoadOptions(n_ctx=1024, n_parallel=3, n_batch=16))
+    yield e
+    e.close()
+
+
+def run_until(loop: EngineLoop, cond: Any, limit: int = 2000) -> int:
+    """Step until cond() holds; returns the steps taken."""
+    for n in range(limit):
+        if cond():
+            return n
+        loop.step()
+    raise AssertionError("the loop did not reach the state")
+
+
+def alone(engine: LlamaCppEngine, request: Request, params: GenerationParams = GREEDY) -> str:
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    loop.submit("x", request, params)
+    run_until(loop, lambda: rec.final("x") is not None)
+    return rec.texts("x")
+
+
+def ask(text: str) -> Request:
+    return api.build_messages(text, "You are a terse assistant.")
+
+
+def test_requests_join_at_any_step_and_each_equals_its_solo_run(engine: LlamaCppEngine) -> None:
+    prompts = ["Name a colour.", "What is two plus two?", "Say hello in French.", "Name a fruit."]
+    solo = [alone(engine, ask(p)) for p in prompts]
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    loop.submit(0, ask(prompts[0]), GREEDY)
+    run_until(loop, lambda: rec.texts(0) != "")
+    loop.submit(1, ask(prompts[1]), GREEDY)  # joins while 0 generates
+    loop.step()
+    loop.submit(2, ask(prompts[2]), GREEDY)
+    loop.submit(3, ask(prompts[3]), GREEDY)  # three slots: this one waits in the queue
+    assert loop.running() == 2 and len(loop.queue) == 2
+    loop.step()
+    assert loop.running() == 3 and len(loop.queue) == 1
+    run_until(loop, lambda: not loop.busy)
+    assert [rec.texts(i) for i in range(4)] == solo
+    assert all(rec.final(i).finish_reason in ("stop", "length") for i in range(4))
+
+
+def test_a_long_prompt_is_chunked_between_the_tokens_of_running_sequences(engine: LlamaCppEngine) -> None:
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    loop.submit("short", ask("Count from one to fifty."), GenerationParams(temperature=0, max_tokens=200))
+    run_until(loop, lambda: rec.texts("short") != "")
+    long_prompt = ask(" ".join(f"word{i}" for i in range(150)) + " Summarise.")
+    n_long = len(engine.prompt_tokens(long_prompt, []))
+    assert n_long > 8 * 16
+    before = sum(1 for k, r, _ in rec.events if k == "text" and r == "short")
+    loop.submit("long", long_prompt, GenerationParams(temperature=0, max_tokens=4))
+    run_until(loop, lambda: rec.texts("long") != "" or rec.final("long") is not None)
+    during = sum(1 for k, r, _ in rec.events if k == "text" and r == "short") - before
+    # n_batch is 16: the short sequence's token takes one place per step, the prompt the other 15.
+    assert during >= n_long // 15 - 1
+    run_until(loop, lambda: not loop.busy)
+
+
+def test_cancelling_one_request_leaves_the_others_untouched(engine: LlamaCppEngine) -> None:
+    solo = alone(engine, ask("Tell me about the sea."), GenerationParams(temperature=0, max_tokens=40))
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    loop.submit("keep", ask("Tell me about the sea."), GenerationParams(temperature=0, max_tokens=40))
+    loop.submit("drop", ask("Tell me about the mountains."), GenerationParams(temperature=0, max_tokens=40))
+    run_until(loop, lambda: len(rec.texts("drop")) > 5)
+    loop.cancel("drop")
+    final = rec.final("drop")
+    assert final is not None and final.finish_reason == "cancelled" and final.completion_tokens < 40
+    assert loop.running() == 1  # the cancelled sequence's slot is free at once
+    run_until(loop, lambda: not loop.busy)
+    assert rec.texts("keep") == solo
+
+
+def test_the_next_turn_reuses_the_cached_prefix(engine: LlamaCppEngine) -> None:
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    first = api.build_messages("What is the capital of France?", "You are a terse assistant.")
+    loop.submit(1, first, GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    n_first = rec.final(1).prompt_tokens
+    reply = rec.texts(1)
+    second = api.build_messages("And of Italy?", "You are a terse assistant.",
+                                [{"role": "user", "content": "What is the capital of France?"},
+                                 {"role": "assistant", "content": reply}])
+    loop.submit(2, second, GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    assert rec.final(2).cached_tokens >= n_first - 1
+    assert rec.texts(2) == alone(engine, second)  # reuse changes nothing in the answer
+
+
+def test_full_queue_and_overlong_prompt_are_errors_of_their_request(engine: LlamaCppEngine) -> None:
+    rec = Record()
+    loop = EngineLoop(engine, rec, max_queue=1)
+    loop.submit("long", Request.raw("word " * 2000), GREEDY)
+    assert isinstance(rec.events[-1][2], ContextOverflowError) and not loop.busy
+    for i in range(4):  # three for the free slots, one to wait
+        loop.submit(i, ask(f"Question {i}?"), GREEDY)
+    loop.submit(4, ask("One more?"), GREEDY)
+    errors = [(r, e) for k, r, e in rec.events if k == "error" and r != "long"]
+    assert [r for r, _ in errors] == [4] and isinstance(errors[0][1], ServerBusyError)
+    loop.step()
+    assert loop.running() == 3 and len(loop.queue) == 1
+    run_until(loop, lambda: not loop.busy)
+    assert all(rec.final(i) is not None for i in (0, 1, 2, 3))
+
+
+def test_threads_share_one_session_as_parallel_sequences() -> None:
+    """Through the worker: concurrent streams from threads equal the same requests one by one."""
+    session = api.load("smollm2:135m", LoadOptions(n_ctx=512, n_parallel=4))
+    prompts = [f"Write one sentence about the number {i}." for i in range(6)]
+    try:
+        one_by_one = ["".join(c.text for c in session.stream(ask(p), GREEDY)) for p in prompts]
+        got: dict[int, str] = {}
+
+        def go(i: int) -> None:
+            got[i] = "".join(c.text for c in session.stream(ask(prompts[i]), GREEDY))
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        session.close()
+    assert [got[i] for i in range(len(prompts))] == one_by_one
