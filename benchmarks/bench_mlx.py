@@ -78,13 +78,14 @@ def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, fl
     import mlx_lm
 
     from localrun import api
+    from localrun.backends.loop import InProcess
     from localrun.backends.mlx import MLXBackend
     from localrun.generation import LoadOptions
     from localrun.store import Store
 
     info = Store(folder.parent / ".store").get(str(folder))
     model, tokenizer = mlx_lm.load(str(folder))
-    local = MLXBackend().load(info, LoadOptions())
+    local = InProcess(MLXBackend().load(info, LoadOptions()))
     worker = api.load(info, LoadOptions(), engine="mlx")
     contestants = {
         "mlx-lm stream_generate": lambda: bench_mlx_lm(model, tokenizer, n),

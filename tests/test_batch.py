@@ -38,9 +38,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run_reference(requests: list[Request], params: GenerationParams) -> list[tuple[str, int]]:
-    """What `localrun run` gives: the single-sequence engine, one prompt after another."""
-    session = api.load("smollm2:135m", LoadOptions())
+def run_reference(requests: list[Request], params: GenerationParams,
+                  options: LoadOptions | None = None) -> list[tuple[str, int]]:
+    """What `localrun run` gives: the engine, one prompt after another."""
+    session = api.load("smollm2:135m", options or LoadOptions())
     out = []
     try:
         for req in requests:

@@ -115,7 +115,8 @@ class WorkerSession:
 
     def __init__(self, backend: str, model: ModelInfo, options: LoadOptions, event_loop: Any = None) -> None:
         """Start the worker and load the model. With an asyncio event_loop, that loop reads the
-        worker's messages (the server: no thread hop per token); else a reader thread does."""
+        worker's messages (the server); else the threads waiting for them take turns reading, so
+        a lone stream reads its own tokens with no thread hop (run, the TUI)."""
         self.backend = backend
         self.model = model
         self.options = options
@@ -147,12 +148,9 @@ class WorkerSession:
             self.close()
             _raise_payload(msg["error"])
         self._info: dict[str, Any] = dict(msg.get("ok") or {})
-        self._reader: threading.Thread | None = None
+        self._read_lock = threading.Lock()
         self._event_loop = event_loop
-        if event_loop is None:
-            self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{model.name}")
-            self._reader.start()
-        else:
+        if event_loop is not None:
             event_loop.call_soon_threadsafe(event_loop.add_reader, self.chan.rfd, self._readable)
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -195,17 +193,22 @@ class WorkerSession:
         if q is not None:
             q.put(msg)
 
-    def _read(self) -> None:
-        """The reader thread: route messages until EOF, then fail what is still waiting."""
-        chan = self.chan
-        while True:
-            msg = chan.recv()
-            if msg is None:
-                if chan.eof:
-                    break
-                continue
-            self._dispatch(msg)
-        self._fail_all()
+    def _pump(self, timeout: float) -> bool:
+        """Read and route what the worker sent, waiting up to timeout; False if another thread
+        is reading (it routes this thread's messages too)."""
+        if not self._read_lock.acquire(blocking=False):
+            return False
+        try:
+            chan = self.chan
+            if chan.eof:
+                return True
+            for msg in chan.recv_all(timeout):
+                self._dispatch(msg)
+            if chan.eof:
+                self._fail_all()
+        finally:
+            self._read_lock.release()
+        return True
 
     def _readable(self) -> None:
         """The event loop's reader: everything that has arrived, without blocking."""
@@ -242,10 +245,20 @@ class WorkerSession:
         self._queues[rid] = q
         return rid, q
 
-    @staticmethod
-    def _get(q: queue.SimpleQueue[Any], timeout: float) -> Any:
+    def _get(self, q: queue.SimpleQueue[Any], timeout: float) -> Any:
+        """The next message for q, or None after about timeout."""
         try:
-            return q.get(timeout=timeout)
+            return q.get_nowait()
+        except queue.Empty:
+            pass
+        reading_elsewhere = self._event_loop is not None
+        if not reading_elsewhere and self._pump(timeout):
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                return None
+        try:  # another thread (or the event loop) reads: it hands our messages over
+            return q.get(timeout=timeout if reading_elsewhere else min(timeout, 0.005))
         except queue.Empty:
             return None
 
@@ -396,9 +409,6 @@ class WorkerSession:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-        reader = getattr(self, "_reader", None)
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(timeout=5)
         loop = getattr(self, "_event_loop", None)
         if loop is not None and not loop.is_closed():
             try:
@@ -432,7 +442,18 @@ class Ticket:
             self.session._send({"op": "cancel", "i": self.rid})
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self.done.wait(timeout)
+        """Wait for the end (reading the worker's messages meanwhile unless an event loop does)."""
+        s = self.session
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.done.is_set():
+            left = 0.5 if end is None else end - time.monotonic()
+            if left <= 0:
+                break
+            if s._event_loop is not None:
+                self.done.wait(left)
+            elif not s._pump(min(left, 0.5)):
+                self.done.wait(min(left, 0.005))
+        return self.done.is_set()
 
 
 class _Delivery:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from localrun import api
 from localrun.generation import GenerationParams, LoadOptions, Request
+from tests.test_batch import run_reference
 
 from .conftest import MODEL, serve
 
@@ -18,22 +18,8 @@ QUESTIONS = [f"In one sentence, what is {thing}?" for thing in (
 
 
 def _sequential() -> list[tuple[str, int]]:
-    session = api.load(MODEL, OPTIONS)
-    try:
-        out = []
-        for q in QUESTIONS:
-            parts, last = [], None
-            for chunk in session.stream(Request.chat([{"role": "user", "content": q}]),
-                                        GenerationParams(temperature=0, max_tokens=TOKENS)):
-                if chunk.done:
-                    last = chunk
-                else:
-                    parts.append(chunk.text)
-            assert last is not None
-            out.append(("".join(parts), last.completion_tokens))
-        return out
-    finally:
-        session.close()
+    requests = [Request.chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return run_reference(requests, GenerationParams(temperature=0, max_tokens=TOKENS), OPTIONS)
 
 
 def test_sixteen_concurrent_streams_equal_sequential_greedy() -> None:
