@@ -188,6 +188,25 @@ def read_input(path: str, defaults: GenerationParams, system: str | None = None,
     return rows
 
 
+TEMPLATE_MARGIN = 256  # tokens a chat template may add around the messages (headers, default system prompts)
+
+
+def sequence_length(rows: list[BatchRow], params: GenerationParams, limit: int) -> int:
+    """Context tokens per sequence that every row fits in: an upper bound of its prompt (a token
+    is at least one byte of text) plus its max_tokens, rounded up to 256, at most limit. A
+    smaller context makes copying a shared prefix between sequences cheaper."""
+    need = 0
+    for r in rows:
+        if r.request is None:
+            continue
+        budget = (r.params or params).max_tokens
+        if budget is None:
+            return limit
+        text = r.request.prompt if r.request.prompt is not None else "".join(m.content for m in r.request.messages)
+        need = max(need, len(text.encode("utf-8")) + TEMPLATE_MARGIN + budget)
+    return min(limit, max(256, -(-need // 256) * 256))
+
+
 # -- output --------------------------------------------------------------------------------------
 
 

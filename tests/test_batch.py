@@ -245,3 +245,16 @@ def test_usage_errors(cli, tmp_path: Path) -> None:
     res = cli("batch", "smollm2:135m", "-i", str(dup), "-o", str(tmp_path / "o.jsonl"), "--parallel", "0")
     assert res.returncode == 2 and "--parallel" in res.stderr
     assert os.listdir(tmp_path) == ["dup.jsonl"]
+
+
+def test_sequence_length_bounds_every_row_and_falls_back_to_the_model_context() -> None:
+    from localrun import batch as batching
+
+    params = GenerationParams(max_tokens=64)
+    rows = [batching.parse_row({"id": 1, "prompt": "short"}, 1, params),
+            batching.parse_row({"id": 2, "prompt": "é" * 300, "max_tokens": 100}, 2, params)]
+    n = batching.sequence_length(rows, params, 4096)
+    assert n % 256 == 0 and n >= 600 + batching.TEMPLATE_MARGIN + 100 and n < 4096
+    unbounded = [*rows, batching.parse_row({"id": 3, "prompt": "go on"}, 3, GenerationParams())]
+    assert batching.sequence_length(unbounded, GenerationParams(), 4096) == 4096
+    assert batching.sequence_length(rows, params, 512) == 512

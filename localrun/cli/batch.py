@@ -52,8 +52,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
     each to OUT as it finishes. Rows keep their ids (text input: line numbers); a bad row gets
     {"id", "error"} and the others go on. Ctrl-C stops with every finished row written; --resume
     continues. Exit status 1 if any row failed."""
+    import dataclasses
+
     from localrun import api
     from localrun import batch as batching
+    from localrun.generation import LoadOptions
 
     params = params_from_args(args)
     options = load_options_from_args(args, n_parallel=args.parallel)
@@ -70,6 +73,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         report.summary()
         return 0
     model = api.get_model(args.model)
+    if args.ctx is None:  # just what the rows can use (the model's own context at most)
+        limit = min(model.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+        options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
     session = api.load(model, options, engine=args.engine)
     writer = batching.Writer(args.output, fmt, append=args.resume)
     cancel = threading.Event()
