@@ -139,7 +139,7 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
     Raises:
         ModelNotFoundError, BadModelFileError, BackendUnavailableError, EngineError.
     """
-    from localrun.backends.worker import WorkerSession
+    from localrun.backends.session import WorkerSession
 
     info = model if isinstance(model, ModelInfo) else get_model(model)
     return WorkerSession(choose_engine(info, engine), info, options or LoadOptions(), event_loop)

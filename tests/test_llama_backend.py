@@ -142,7 +142,7 @@ def test_model_without_template_uses_plain_chat(tiny: object) -> None:
 def test_engine_crash_becomes_an_error(stories: Path, tmp_path: Path) -> None:
     """A file that passes no validation here (built to bypass it) aborts llama.cpp natively;
     localrun reports it and keeps running."""
-    from localrun.backends.worker import WorkerSession
+    from localrun.backends.session import WorkerSession
 
     broken = without_byte_tokens(stories, tmp_path / "nobytes.gguf")
     session = WorkerSession("llama.cpp", ModelInfo("broken", str(broken), "gguf", "path", 0), LoadOptions(n_ctx=64))

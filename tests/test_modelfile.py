@@ -107,7 +107,7 @@ def _mutants(data: bytes, header_end: int, n: int, seed: int) -> list[tuple[str,
 def test_fuzz_mutated_files_never_crash(stories: Path, tmp_path: Path) -> None:
     """Hundreds of damaged files: each is rejected with a clear error or, if it passes the header
     checks, runs in the isolated engine, where a native crash becomes an error too."""
-    from localrun.backends.worker import WorkerSession
+    from localrun.backends.session import WorkerSession
     from localrun.generation import GenerationParams, LoadOptions, Request
     from localrun.store import ModelInfo
 
