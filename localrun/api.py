@@ -160,7 +160,7 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
     """
     from localrun.pool import Pool
 
-    return Pool(options, engine, max_loaded=max_loaded, keep_alive=keep_alive)
+    return Pool(load, get_model, options, engine, max_loaded=max_loaded, keep_alive=keep_alive)
 
 
 def generate(

@@ -55,19 +55,18 @@ class _Entry:
 class Pool:
     """The models loaded by one front end (the TUI, the server); thread-safe."""
 
-    def __init__(self, options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
-                 keep_alive: float = DEFAULT_KEEP_ALIVE,
-                 loader: Callable[[ModelInfo, LoadOptions, str | None], Session] | None = None,
-                 resolve: Callable[[str], ModelInfo] | None = None) -> None:
-        from localrun import api
-
+    def __init__(self, loader: Callable[..., Session], resolve: Callable[[str], ModelInfo],
+                 options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
+                 keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+        """loader(model, options, engine=, event_loop=) loads a session (api.load); resolve(name)
+        finds a model (api.get_model)."""
         self.options = options or LoadOptions()
         self.engine = engine
         self.max_loaded = max(1, max_loaded)
         self.keep_alive = keep_alive
         self.event_loop: Any = None  # set by a server: its sessions are read on that asyncio loop
-        self._load = loader or (lambda m, o, e: api.load(m, o, engine=e, event_loop=self.event_loop))
-        self._resolve = resolve or api.get_model
+        self._loader = loader
+        self._resolve = resolve
         self._lock = threading.Condition()
         self._entries: dict[str, _Entry] = {}
         self._closed = False
@@ -132,7 +131,7 @@ class Pool:
 
     def _load_entry(self, entry: _Entry) -> _Entry:
         try:
-            entry.session = self._load(entry.model, self.options, self.engine)
+            entry.session = self._loader(entry.model, self.options, engine=self.engine, event_loop=self.event_loop)
         except BaseException as e:
             entry.error = e
             with self._lock:

@@ -21,7 +21,17 @@ from localrun import format as fmt
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, errors, resolve_model
-from localrun.server.app import (
+from localrun.server.schemas import (
+    OllamaChatRequest,
+    OllamaDeleteRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaGenerating,
+    OllamaPullRequest,
+    OllamaShowRequest,
+)
+from localrun.server.streams import (
     Emit,
     Job,
     Run,
@@ -32,16 +42,6 @@ from localrun.server.app import (
     generate,
     pool_of,
     run_blocking,
-)
-from localrun.server.schemas import (
-    OllamaChatRequest,
-    OllamaDeleteRequest,
-    OllamaEmbeddingsRequest,
-    OllamaEmbedRequest,
-    OllamaGenerateRequest,
-    OllamaGenerating,
-    OllamaPullRequest,
-    OllamaShowRequest,
 )
 from localrun.store import ModelInfo
 

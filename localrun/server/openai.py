@@ -22,7 +22,13 @@ from localrun import api
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, errors, resolve_model
-from localrun.server.app import (
+from localrun.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+from localrun.server.streams import (
     Job,
     Run,
     RunResponse,
@@ -31,12 +37,6 @@ from localrun.server.app import (
     generate,
     pool_of,
     run_blocking,
-)
-from localrun.server.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    EmbeddingRequest,
 )
 from localrun.store import ModelInfo
 
