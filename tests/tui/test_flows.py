@@ -113,6 +113,8 @@ async def _test_escape_stops_a_long_reply_and_keeps_nothing(make_app: Any, start
         await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None,
                        "the chat with the model given on the command line")
         screen = chat(app)
+        # Keys typed before the prompt has focus go elsewhere (a busy machine shows it).
+        await wait_for(pilot, lambda: screen.query_one("#prompt").has_focus, "the prompt to take the keys")
         await pilot.press(*LONG)
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.stream_updates >= 3, "streamed text")
@@ -142,6 +144,8 @@ async def _test_engine_crash_is_a_notification_and_the_app_recovers(make_app: An
         await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None,
                        "the chat")
         screen = chat(app)
+        # Keys typed before the prompt has focus go elsewhere (a busy machine shows it).
+        await wait_for(pilot, lambda: screen.query_one("#prompt").has_focus, "the prompt to take the keys")
         await pilot.press(*LONG)
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.stream_updates >= 2, "streamed text")
