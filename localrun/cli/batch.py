@@ -10,24 +10,15 @@ import time
 from typing import Any
 
 from localrun.cli.options import (
+    MAX_PARALLEL,
     add_generation_flags,
     add_load_flags,
+    int_in,
     load_options_from_args,
     params_from_args,
 )
 
 DEFAULT_PARALLEL = 16
-MAX_PARALLEL = 256
-
-
-def _parallel(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of sequences, got {value!r}") from None
-    if not 1 <= n <= MAX_PARALLEL:
-        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_PARALLEL}, got {n}")
-    return n
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", required=True, metavar="OUT", help="where results go, one row each as it finishes; '-' is stdout")
     p.add_argument("--format", choices=("jsonl", "csv"), help="output format (default: csv for a .csv file, else jsonl)")
     p.add_argument("--resume", action="store_true", help="skip the ids already in OUT and append the others")
-    p.add_argument("--parallel", "-p", type=_parallel, default=DEFAULT_PARALLEL, metavar="N",
+    p.add_argument("--parallel", "-p", type=int_in(1, MAX_PARALLEL), default=DEFAULT_PARALLEL, metavar="N",
                    help=f"rows generated at once (default {DEFAULT_PARALLEL})")
     p.add_argument("--raw", action="store_true", help="complete prompts as plain text, without the chat template")
     add_generation_flags(p)

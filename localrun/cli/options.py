@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from localrun.generation import GenerationParams, LoadOptions
 
+MAX_PARALLEL = 256  # sequences decoded at once by one model
 GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens")
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {n}" if high is not None
+                                             else f"expected a number >= {low}, got {n}")
+        return n
+
+    return parse
 
 
 def _gpu_layers(value: str) -> int | str:

@@ -7,20 +7,10 @@ import os
 import sys
 from typing import Any
 
-from localrun.cli.options import add_load_flags, load_options_from_args
+from localrun.cli.options import MAX_PARALLEL, add_load_flags, int_in, load_options_from_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434  # Ollama's, so its clients work with no configuration
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value!r}")
-    return n
 
 
 def _duration(value: str) -> float:
@@ -45,11 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-pull", action="store_true",
                    help="allow /api/pull when listening beyond loopback (always allowed on 127.0.0.1)")
     m = p.add_argument_group("models")
-    m.add_argument("--parallel", type=_positive, default=4, metavar="N",
+    m.add_argument("--parallel", type=int_in(1, MAX_PARALLEL), default=4, metavar="N",
                    help="sequences each model decodes at once (default 4; each has the full --ctx)")
-    m.add_argument("--max-queue", type=int, default=64, metavar="N",
+    m.add_argument("--max-queue", type=int_in(0), default=64, metavar="N",
                    help="requests that may wait per model beyond --parallel; more get 503 (default 64)")
-    m.add_argument("--max-loaded", type=_positive, default=1, metavar="N", help="models loaded at once (default 1)")
+    m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
     m.add_argument("--keep-alive", type=_duration, default=300.0, metavar="DURATION",
                    help="how long a model stays loaded after its last request: seconds, '5m', '1h', -1 for forever (default 5m)")
     add_load_flags(p)
