@@ -172,7 +172,9 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
             "system_fingerprint": "localrun"}
     if body.stream:
-        return RunResponse(_chat_events(run, jobs, head, body), run, "text/event-stream")
+        base = {**head, "object": "chat.completion.chunk"}
+        events = _sse_stream(_chat_events(run, jobs, base, body), run, jobs, base, body.include_usage)
+        return RunResponse(events, run, "text/event-stream")
     texts, lps = await run.complete(_collect(run))
     choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
                 "logprobs": _chat_logprobs(lps[i]) if body.logprobs else None,
@@ -180,8 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(run, jobs)})
 
 
-async def _chat_events(run: Run, jobs: list[Job], head: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    base = {**head, "object": "chat.completion.chunk"}
+async def _chat_events(run: Run, jobs: list[Job], base: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
     def event(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -191,22 +192,30 @@ async def _chat_events(run: Run, jobs: list[Job], head: dict[str, Any], body: Ch
     templates = [_sse_template({**base, "choices": [{"index": i, "delta": {"content": _HOLE}, "logprobs": None,
                                                       "finish_reason": None}], **extra}) for i in range(len(jobs))]
     dumps = json.dumps
+    for i in range(len(jobs)):
+        yield event(i, {"role": "assistant", "content": ""})
+    async for i, chunk in run.items():
+        if not chunk.done:
+            if not body.logprobs:
+                if chunk.text:
+                    before, after = templates[i]
+                    yield before + dumps(chunk.text, ensure_ascii=False).encode() + after
+                continue
+            lps = _logprobs_of(chunk)
+            if chunk.text or lps:
+                yield event(i, {"content": chunk.text}, logprobs=_chat_logprobs(lps))
+        else:
+            yield event(i, {}, _finish(chunk.finish_reason))
+
+
+async def _sse_stream(events: AsyncIterator[bytes], run: Run, jobs: list[Job], base: dict[str, Any],
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    """A stream's events, then the usage chunk if asked for and [DONE]; an error mid-stream ends
+    it as an OpenAI error object."""
     try:
-        for i in range(len(jobs)):
-            yield event(i, {"role": "assistant", "content": ""})
-        async for i, chunk in run.items():
-            if not chunk.done:
-                if not body.logprobs:
-                    if chunk.text:
-                        before, after = templates[i]
-                        yield before + dumps(chunk.text, ensure_ascii=False).encode() + after
-                    continue
-                lps = _logprobs_of(chunk)
-                if chunk.text or lps:
-                    yield event(i, {"content": chunk.text}, logprobs=_chat_logprobs(lps))
-            else:
-                yield event(i, {}, _finish(chunk.finish_reason))
-        if body.include_usage:
+        async for event in events:
+            yield event
+        if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(run, jobs)})
         yield b"data: [DONE]\n\n"
     except LocalrunError as e:
@@ -232,7 +241,9 @@ async def completions(body: CompletionRequest, request: HttpRequest) -> Response
             "system_fingerprint": "localrun"}
     echo = [prompts[job.prompt_index] if body.echo else "" for job in jobs]
     if body.stream:
-        return RunResponse(_completion_events(run, jobs, head, body, echo), run, "text/event-stream")
+        base = {**head, "object": "text_completion"}
+        events = _sse_stream(_completion_events(run, jobs, base, body, echo), run, jobs, base, body.include_usage)
+        return RunResponse(events, run, "text/event-stream")
     texts, lps = await run.complete(_collect(run))
     choices = [{"index": i, "text": echo[i] + texts.get(i, ""),
                 "logprobs": _completion_logprobs(lps[i], 0) if body.logprobs is not None else None,
@@ -240,9 +251,8 @@ async def completions(body: CompletionRequest, request: HttpRequest) -> Response
     return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": _usage(run, jobs)})
 
 
-async def _completion_events(run: Run, jobs: list[Job], head: dict[str, Any], body: CompletionRequest,
+async def _completion_events(run: Run, jobs: list[Job], base: dict[str, Any], body: CompletionRequest,
                              echo: list[str]) -> AsyncIterator[bytes]:
-    base = {**head, "object": "text_completion"}
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
     offsets = [0] * len(jobs)
 
@@ -250,24 +260,18 @@ async def _completion_events(run: Run, jobs: list[Job], head: dict[str, Any], bo
         return _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                      **extra})
 
-    try:
-        for i, text in enumerate(echo):
-            if text:
-                yield event(i, text)
-        async for i, chunk in run.items():
-            if not chunk.done:
-                lps = _logprobs_of(chunk)
-                if chunk.text or lps:
-                    logprobs = _completion_logprobs(lps, offsets[i]) if body.logprobs is not None else None
-                    offsets[i] += len(chunk.text)
-                    yield event(i, chunk.text, logprobs=logprobs)
-            else:
-                yield event(i, "", _finish(chunk.finish_reason))
-        if body.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(run, jobs)})
-        yield b"data: [DONE]\n\n"
-    except LocalrunError as e:
-        yield _sse(errors.openai_body(e))
+    for i, text in enumerate(echo):
+        if text:
+            yield event(i, text)
+    async for i, chunk in run.items():
+        if not chunk.done:
+            lps = _logprobs_of(chunk)
+            if chunk.text or lps:
+                logprobs = _completion_logprobs(lps, offsets[i]) if body.logprobs is not None else None
+                offsets[i] += len(chunk.text)
+                yield event(i, chunk.text, logprobs=logprobs)
+        else:
+            yield event(i, "", _finish(chunk.finish_reason))
 
 
 # -- embeddings -----------------------------------------------------------------------------------

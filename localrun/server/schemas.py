@@ -108,6 +108,16 @@ class ChatCompletionRequest(Sampling):
                            (self.top_logprobs or 0) if self.logprobs else None)
 
 
+def _texts(value: str | list[str] | list[int] | list[list[int]], field: str) -> list[str]:
+    """A string or a list of strings as a list; token arrays are refused."""
+    if isinstance(value, str):
+        return [value]
+    if not value or not all(isinstance(p, str) for p in value):
+        raise UsageError(f"{field} must be a string or a non-empty list of strings",
+                         "token arrays are not supported; send the text")
+    return [p for p in value if isinstance(p, str)]
+
+
 class CompletionRequest(Sampling):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -117,12 +127,7 @@ class CompletionRequest(Sampling):
     best_of: int | None = None
 
     def prompts(self) -> list[str]:
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if not self.prompt or not all(isinstance(p, str) for p in self.prompt):
-            raise UsageError("prompt must be a string or a non-empty list of strings",
-                             "token arrays are not supported; send the text")
-        return [p for p in self.prompt if isinstance(p, str)]
+        return _texts(self.prompt, "prompt")
 
     def generation(self) -> GenerationParams:
         if self.suffix:
@@ -140,12 +145,7 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
     def texts(self) -> list[str]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if not self.input or not all(isinstance(p, str) for p in self.input):
-            raise UsageError("input must be a string or a non-empty list of strings",
-                             "token arrays are not supported; send the text")
-        return [p for p in self.input if isinstance(p, str)]
+        return _texts(self.input, "input")
 
 
 # -- Ollama ---------------------------------------------------------------------------------
