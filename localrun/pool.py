@@ -36,7 +36,6 @@ class LoadedModel:
     info: dict[str, Any]
     expires_at: float | None  # epoch seconds; None: kept until unloaded (or in use now)
     size: int
-    in_use: int
     pid: int | None = None  # the engine process
 
 
@@ -47,7 +46,6 @@ class _Entry:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.users = 0
-        self.keep_alive = DEFAULT_KEEP_ALIVE
         self.expires = math.inf  # monotonic time; inf while in use or kept forever
         self.last_used = time.monotonic()
 
@@ -146,7 +144,6 @@ class Pool:
         with self._lock:
             entry.users -= 1
             entry.last_used = time.monotonic()
-            entry.keep_alive = keep_alive
             if entry.users > 0:
                 return
             if keep_alive < 0 or math.isinf(keep_alive):
@@ -209,10 +206,6 @@ class Pool:
             _close_quietly(entry.session)
         return True
 
-    def drop(self, name: str) -> None:
-        """Forget a model's session (after a crash); the next use loads it again."""
-        self.unload(name)
-
     def loaded(self) -> list[LoadedModel]:
         """The models loaded now, most recently used first."""
         now_wall, now = time.time(), time.monotonic()
@@ -223,7 +216,7 @@ class Pool:
                     continue
                 expires = None if math.isinf(e.expires) else now_wall + (e.expires - now)
                 out.append(LoadedModel(e.model.name, e.model, e.session.backend, e.session.info(), expires,
-                                       e.model.size, e.users, getattr(e.session, "pid", None)))
+                                       e.model.size, e.session.pid))
         return out
 
     @property

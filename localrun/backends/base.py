@@ -41,6 +41,27 @@ class Sampled:
     logprob: TokenLogprob | None = None
 
 
+def token_logprob(logprobs: Any, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:
+    """The sampled token's log-probability and the `top` most likely tokens at its position.
+
+    Args:
+        logprobs: a numpy vector of log-probabilities over the vocabulary.
+        piece: a token's bytes.
+    """
+    import numpy as np
+
+    def one(t: int) -> TokenLogprob:
+        data = piece(t)
+        return TokenLogprob(data.decode("utf-8", errors="replace"), float(logprobs[t]), tuple(data))
+
+    alts: tuple[TokenLogprob, ...] = ()
+    if top > 0:
+        best = np.argpartition(-logprobs, top)[:top]
+        alts = tuple(one(int(t)) for t in best[np.argsort(-logprobs[best])])
+    chosen = one(token)
+    return TokenLogprob(chosen.token, chosen.logprob, chosen.bytes, alts)
+
+
 class Detokenizer(Protocol):
     """Turns a sequence's tokens into text incrementally (never splits a UTF-8 character)."""
 

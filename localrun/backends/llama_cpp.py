@@ -15,7 +15,7 @@ import re
 from collections import deque
 from typing import Any
 
-from localrun.backends.base import Embeddings, Sampled
+from localrun.backends.base import Embeddings, Sampled, token_logprob
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
@@ -390,16 +390,8 @@ class LlamaCppEngine:
         ptr = self.ll.llama_get_logits_ith(self.ctx, idx)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
         m = logits.max()
-        lp = logits - m - np.log(np.exp(logits - m).sum())
-        alts: tuple[TokenLogprob, ...] = ()
-        if top > 0:
-            best = np.argpartition(-lp, top)[:top]
-            best = best[np.argsort(-lp[best])]
-            alts = tuple(self._token_logprob(int(t), float(lp[t])) for t in best)
-        return TokenLogprob(self.token_text(token), float(lp[token]), tuple(self.piece(token)), alts)
-
-    def _token_logprob(self, token: int, logprob: float) -> TokenLogprob:
-        return TokenLogprob(self.token_text(token), logprob, tuple(self.piece(token)))
+        return token_logprob(logits - m - np.log(np.exp(logits - m).sum()), token, top,
+                             lambda t: self.piece(t, special=True))
 
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode over (token, position, sequence, wants_logits) entries."""
@@ -449,8 +441,8 @@ class LlamaCppEngine:
             cparams.n_threads = cparams.n_threads_batch = self.threads
             cparams.embeddings = True
             cparams.no_perf = True
-            if ll.llama_model_has_encoder(self.model) or self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
-                cparams.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
+            if self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
+                cparams.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN  # a generative model: mean of its tokens
             self._embed_ctx = ll.llama_init_from_model(self.model, cparams)
             if not self._embed_ctx:
                 raise EngineError(f"cannot create an embedding context for '{self.model_info.name}': "

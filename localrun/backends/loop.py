@@ -47,7 +47,7 @@ class _Job:
     """One request: queued, then running in a slot."""
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
-                 "slot", "n_gen", "budget", "generated", "t_submit", "t0", "t1", "sampled", "reused")
+                 "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
                  n_ctx: int) -> None:
@@ -65,7 +65,6 @@ class _Job:
         self.n_gen = 0
         self.budget = min(params.max_tokens or n_ctx, n_ctx - len(tokens))
         self.generated: list[int] = []
-        self.t_submit = time.perf_counter()
         self.t0 = self.t1 = 0.0
         self.sampled = False
         self.reused = 0
@@ -84,13 +83,12 @@ class EngineLoop:
         self.jobs: dict[Any, _Job] = {}
         self.prompt_tokens = 0  # evaluated, over the loop's life
         self.completion_tokens = 0
-        self.reused_tokens = 0
         # Copying a KV stream copies all of its cells: worth it only when it saves real work.
         self.min_copy_gain = max(4, engine.n_ctx // 256)
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue) or any(j is not None for j in self.slots)
+        return bool(self.queue) or self.running() > 0
 
     def running(self) -> int:
         return sum(j is not None for j in self.slots)
@@ -138,7 +136,7 @@ class EngineLoop:
         """Admit what fits, run one engine step, hand out the tokens."""
         if self.queue:
             self._admit()
-        if not any(j is not None for j in self.slots):
+        if not self.running():
             return
         try:
             sampled = self.engine.step()
@@ -159,9 +157,10 @@ class EngineLoop:
         return out
 
     def _best(self, tokens: list[int], own: int, sources: list[tuple[int, list[int]]]) -> tuple[int, int]:
-        """(source slot, length) of the longest cached prefix of tokens, preferring the slot's own."""
+        """(source slot, length) of the longest cached prefix of tokens for the free slot `own`,
+        preferring its own cache."""
         limit = len(tokens) - 1  # the last prompt token is always evaluated: it gives the logits
-        best, best_len = own, _lcp(self.cached[own], tokens, limit) if self.slots[own] is None else 0
+        best, best_len = own, _lcp(self.cached[own], tokens, limit)
         if not self.engine.can_copy:
             return best, best_len
         for s, cached in sources:
@@ -202,9 +201,8 @@ class EngineLoop:
             job.slot = slot
             job.t0 = now
             job.detok = self.engine.detokenizer()
-            reused = job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
-            self.reused_tokens += reused
-            self.prompt_tokens += len(job.tokens) - reused
+            job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
+            self.prompt_tokens += len(job.tokens) - job.reused
             self.cached[slot] = []
             self.slots[slot] = job
 
@@ -265,30 +263,6 @@ class EngineLoop:
         final = Chunk.final(finish, len(job.tokens), job.n_gen, t0, job.t1 or t_end, t_end, job.seed, job.reused)
         self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
 
-    # -- in-process use -------------------------------------------------------------------
-    def run(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        """Drive the loop here for one request (tests and benchmarks without a worker)."""
-        out: list[Chunk] = []
-        box = _Collect(out)
-        self.sink, saved = box, self.sink
-        try:
-            self.submit(0, request, params)
-            while True:
-                if cancel is not None and cancel.is_set() and 0 in self.jobs:
-                    self.cancel(0)
-                if box.failure is not None:
-                    raise box.failure
-                while out:
-                    chunk = out.pop(0)
-                    yield chunk
-                    if chunk.done:
-                        return
-                self.step()
-        finally:
-            if 0 in self.jobs:
-                self.cancel(0)
-            self.sink = saved
-
 
 class _Collect:
     def __init__(self, out: list[Chunk]) -> None:
@@ -306,17 +280,37 @@ class _Collect:
 
 
 class InProcess:
-    """An engine and its loop in this process, one request at a time (tests and benchmarks)."""
+    """An engine and its loop driven in this process, one request at a time (tests, benchmarks)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.loop = EngineLoop(engine, _Collect([]))
+        self.out: list[Chunk] = []
+        self.sink = _Collect(self.out)
+        self.loop = EngineLoop(engine, self.sink)
 
     def tokenize(self, request: Request) -> list[int]:
         return self.engine.prompt_tokens(request, [])
 
     def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Iterator[Chunk]:
-        return self.loop.run(request, params, cancel)
+        loop, out = self.loop, self.out
+        self.sink.failure = None
+        loop.submit(0, request, params)
+        try:
+            while True:
+                if cancel is not None and cancel.is_set() and 0 in loop.jobs:
+                    loop.cancel(0)
+                if self.sink.failure is not None:
+                    raise self.sink.failure
+                while out:
+                    chunk = out.pop(0)
+                    yield chunk
+                    if chunk.done:
+                        return
+                loop.step()
+        finally:
+            if 0 in loop.jobs:
+                loop.cancel(0)
+            out.clear()
 
     def close(self) -> None:
         self.engine.close()

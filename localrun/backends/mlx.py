@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Embeddings, Sampled
+from localrun.backends.base import Embeddings, Sampled, token_logprob
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
@@ -325,20 +325,7 @@ class MLXEngine:
         import numpy as np
 
         lp = np.array(logprobs.astype(self.mx.float32)).reshape(-1)
-        alts: tuple[TokenLogprob, ...] = ()
-        if top > 0:
-            best = np.argpartition(-lp, top)[:top]
-            best = best[np.argsort(-lp[best])]
-            alts = tuple(self._token_logprob(int(t), float(lp[t])) for t in best)
-        text = self._piece(token)
-        return TokenLogprob(text, float(lp[token]), tuple(text.encode()), alts)
-
-    def _piece(self, token: int) -> str:
-        return str(self.tokenizer.decode([token]))
-
-    def _token_logprob(self, token: int, logprob: float) -> TokenLogprob:
-        text = self._piece(token)
-        return TokenLogprob(text, logprob, tuple(text.encode()))
+        return token_logprob(lp, token, top, lambda t: str(self.tokenizer.decode([t])).encode())
 
     def embed(self, texts: list[str]) -> Embeddings:
         raise UsageError(f"'{self.model_info.name}' runs on MLX, which has no embedding mode here",

@@ -222,41 +222,31 @@ class WorkerSession:
         return ticket
 
     def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Generator[Chunk, None, None]:
-        rid, q = self._open()
-        self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict()})
-        cancelled = finished = False
+        q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        ticket = self.start(request, params, q.put)
+        finished = False
         try:
             while True:
                 try:
-                    if not cancelled and cancel is not None and cancel.is_set():
-                        cancelled = True
-                        self._send({"op": "cancel", "i": rid})
-                    msg = self._get(q, 0.05 if cancel is not None and not cancelled else 0.5)
+                    if cancel is not None and cancel.is_set():
+                        ticket.cancel()
+                    chunk = self._get(q, 0.05 if cancel is not None and not ticket.cancelled else 0.5)
                 except KeyboardInterrupt:
-                    # Ctrl-C: stop the reply, keep the engine (it ignores SIGINT).
-                    if not cancelled:
-                        cancelled = True
-                        self._send({"op": "cancel", "i": rid})
+                    ticket.cancel()  # Ctrl-C stops the reply and keeps the engine (it ignores SIGINT)
                     continue
-                if msg is None:
+                if chunk is None:
+                    if ticket.done.is_set() and q.empty():
+                        finished = True
+                        if ticket.error is not None:
+                            raise ticket.error
                     continue
-                if isinstance(msg, LocalrunError):
+                yield chunk
+                if chunk.done:
                     finished = True
-                    raise msg
-                text = msg.get("t")
-                if text is not None:
-                    lps = msg.get("l")
-                    yield Chunk(text=text, logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ())
-                    continue
-                finished = True
-                if "error" in msg:
-                    raise_payload(msg["error"])
-                yield Chunk.from_dict(msg["chunk"])
-                return
+                    return
         finally:
-            self._queues.pop(rid, None)
             if not finished:
-                self._send({"op": "cancel", "i": rid})  # the consumer stopped early
+                ticket.cancel()  # the consumer stopped early
 
     def generate_many(self, rows: list[tuple[Any, Request, GenerationParams]],
                       cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
@@ -278,20 +268,22 @@ class WorkerSession:
                 self._send({"op": "submit", "i": rid, "request": row[1].to_dict(), "params": row[2].to_dict(),
                             "stream": False})
 
+        def stop() -> None:
+            nonlocal cancelled
+            if not cancelled:
+                cancelled = True
+                for rid in inflight:
+                    self._send({"op": "cancel", "i": rid})
+
         try:
             submit_more()
             while inflight:
                 try:
-                    if not cancelled and cancel is not None and cancel.is_set():
-                        cancelled = True
-                        for rid in inflight:
-                            self._send({"op": "cancel", "i": rid})
+                    if cancel is not None and cancel.is_set():
+                        stop()
                     msg = self._get(q, 0.25)
                 except KeyboardInterrupt:
-                    if not cancelled:
-                        cancelled = True
-                        for rid in inflight:
-                            self._send({"op": "cancel", "i": rid})
+                    stop()
                     continue
                 if isinstance(msg, LocalrunError):
                     raise msg
@@ -347,13 +339,15 @@ class Ticket:
     def __init__(self, session: WorkerSession) -> None:
         self.session = session
         self.rid = 0
+        self.cancelled = False
         self.done = threading.Event()
         self.error: LocalrunError | None = None
         self.final: Chunk | None = None
 
     def cancel(self) -> None:
         """Stop the request; its last chunk (finish_reason "cancelled") is still delivered."""
-        if not self.done.is_set():
+        if not self.done.is_set() and not self.cancelled:
+            self.cancelled = True
             self.session._send({"op": "cancel", "i": self.rid})
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -179,7 +179,7 @@ class ChatScreen(Screen[None]):
                         last_post = now
             self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
         except EngineCrashedError as e:
-            models.drop(model)
+            models.unload(model)  # the next request loads it again
             self.post_message(ReplyFailed(generation, str(e)))
         except LocalrunError as e:
             self.post_message(ReplyFailed(generation, str(e)))
