@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -18,13 +18,47 @@ PLAIN_STOPS = ("\nUser:", "\nSystem:")
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation."""
+    """One turn of a conversation.
+
+    An assistant turn may carry tool calls ({"id", "type": "function", "function": {"name",
+    "arguments": dict}}), and a tool turn the id and name of the call it answers: the shape chat
+    templates read, as transformers passes it.
+    """
 
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def to_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _tool_call(i: int, j: int, raw: Any) -> dict[str, Any]:
+    """One call of an assistant turn in the template shape; OpenAI's string arguments are parsed."""
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"message {i}: tool_calls[{j}] must be an object")
+    fn = raw.get("function", raw)
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise UsageError(f"message {i}: tool_calls[{j}] needs a function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise UsageError(f"message {i}: tool_calls[{j}] arguments are not JSON ({e})") from e
+    call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if raw.get("id") is not None:
+        call["id"] = str(raw["id"])
+    return call
 
 
 def parse_messages(raw: Any) -> list[Message]:
@@ -36,12 +70,23 @@ def parse_messages(raw: Any) -> list[Message]:
         if isinstance(m, Message):
             out.append(m)
             continue
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
+        if not isinstance(m, Mapping):
             raise UsageError(f"message {i} must be an object with a string 'content'")
         role = m.get("role")
         if role not in ROLES:
             raise UsageError(f"message {i} has role {role!r}", f"use one of {', '.join(ROLES)}")
-        out.append(Message(str(role), m["content"]))
+        raw_calls = m.get("tool_calls") or ()
+        content = m.get("content")
+        if content is None and (raw_calls or role == "assistant"):
+            content = ""
+        if not isinstance(content, str):
+            raise UsageError(f"message {i} must be an object with a string 'content'")
+        if not isinstance(raw_calls, Sequence) or isinstance(raw_calls, (str, bytes)):
+            raise UsageError(f"message {i}: tool_calls must be a list")
+        calls = tuple(_tool_call(i, j, c) for j, c in enumerate(raw_calls))
+        call_id, name = m.get("tool_call_id"), m.get("name") or m.get("tool_name")
+        out.append(Message(str(role), content, calls, None if call_id is None else str(call_id),
+                           None if name is None else str(name)))
     return out
 
 

@@ -32,6 +32,9 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; N: the chosen token's logprob and the N most likely
+    grammar: str | None = None  # a Lark grammar (llguidance) the output must match: see constraint.py
+    grammar_trigger: str | None = None  # the grammar applies from this text on (a lazy grammar), else from the start
+    special: bool = False  # render control tokens as text (tool-call openers such as [TOOL_CALLS])
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
@@ -45,6 +48,8 @@ class GenerationParams:
         _check(math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
         _check(math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "an integer in [0, 20]")
+        _check(self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
+               "grammar_trigger", self.grammar_trigger, "a non-empty text, with a grammar")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -107,28 +112,35 @@ class Request:
 
     messages: tuple[Message, ...] = ()
     prompt: str | None = None
+    tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)  # rendered by the chat template
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
             raise UsageError("a request needs either messages or a raw prompt")
+        if self.tools and self.prompt is not None:
+            raise UsageError("tools need chat messages, not a raw prompt")
 
     @classmethod
-    def chat(cls, messages: Any) -> Request:
-        return cls(messages=tuple(parse_messages(messages)))
+    def chat(cls, messages: Any, tools: Any = ()) -> Request:
+        return cls(messages=tuple(parse_messages(messages)), tools=tuple(tools or ()))
 
     @classmethod
     def raw(cls, prompt: str, system: str | None = None) -> Request:
         """Plain-text completion; a system prompt, if any, goes before it as a paragraph."""
         return cls(prompt=f"{system}\n\n{prompt}" if system else prompt)
 
+    def template_extras(self) -> dict[str, Any]:
+        """What the chat template gets beyond the messages: the tools, when there are any."""
+        return {"tools": [dict(t) for t in self.tools]} if self.tools else {}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt}
+        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt, "tools": list(self.tools)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Request:
         if data.get("prompt") is not None:
             return cls.raw(data["prompt"])
-        return cls.chat(data["messages"])
+        return cls.chat(data["messages"], data.get("tools") or ())
 
 
 @dataclass(frozen=True)

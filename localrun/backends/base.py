@@ -115,8 +115,8 @@ class Engine(Protocol):
         """Whether token ends generation (EOS, EOT...)."""
         ...
 
-    def detokenizer(self) -> Detokenizer:
-        """A fresh incremental detokenizer for one reply."""
+    def detokenizer(self, special: bool = False) -> Detokenizer:
+        """A fresh incremental detokenizer for one reply (special: control tokens as text too)."""
         ...
 
     def embed(self, texts: list[str]) -> Embeddings:

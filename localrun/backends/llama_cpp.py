@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from localrun.backends.base import Embeddings, Sampled, token_logprob
+from localrun.backends.grammar import Grammars, GrammarState
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
@@ -115,15 +116,17 @@ class LlamaCppBackend:
 class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
-    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs")
+    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar")
 
-    def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None) -> None:
+    def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
+                 grammar: GrammarState | None) -> None:
         self.tokens = tokens
         self.todo = keep  # next prompt token to evaluate
         self.pos = keep  # tokens in this slot's KV cache
         self.last = -1  # sampled token that the next step evaluates (-1: still in the prompt)
         self.sampler = sampler
         self.logprobs = logprobs
+        self.grammar = grammar
 
 
 class LlamaCppEngine:
@@ -175,6 +178,25 @@ class LlamaCppEngine:
                 slots //= 2  # not enough memory for that many sequences: fewer at once
         self.seqs: list[_Seq | None] = [None] * self.n_slots
         self._template = self.meta("tokenizer.chat_template")
+        self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab, self.token_text)
+
+    def _llg_tokenizer(self) -> Any:
+        """llguidance's view of this vocabulary, with every end-of-generation token as its EOS."""
+        from localrun.backends.grammar import import_llguidance
+
+        import_llguidance()
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
+        return lltokenizer_from_vocab(self.vocab, eos_token=eog)
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the control or user-defined token spelled `text`, if the vocabulary has one."""
+        ids = self.tokenize(text, add_special=False, parse_special=True)
+        if len(ids) != 1:
+            return None
+        attr = self.ll.llama_token_get_attr(self.vocab, ids[0])
+        return ids[0] if attr & (self.ll.LLAMA_TOKEN_ATTR_CONTROL | self.ll.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
 
     def make_context(self, n_ctx: int, n_parallel: int) -> None:
         """Create the context once: n_parallel sequences of up to n_ctx tokens.
@@ -306,7 +328,7 @@ class LlamaCppEngine:
         bos_text = self.token_text(self.bos)
         if self._template:
             text = render_template(self._template, request.messages, bos_token=bos_text,
-                                   eos_token=self.token_text(self.eos))
+                                   eos_token=self.token_text(self.eos), **request.template_extras())
         else:
             text = render_plain(request.messages)
             stops.extend(PLAIN_STOPS)
@@ -317,8 +339,11 @@ class LlamaCppEngine:
     def is_eog(self, token: int) -> bool:
         return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
 
-    def detokenizer(self) -> _Utf8Pieces:
-        return _Utf8Pieces(self.piece)
+    def detokenizer(self, special: bool = False) -> _Utf8Pieces:
+        return _Utf8Pieces(self.piece_special if special else self.piece)
+
+    def piece_special(self, token: int) -> bytes:
+        return self.piece(token, special=True)
 
     # -- the engine loop's operations -----------------------------------------------------
     def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
@@ -327,8 +352,9 @@ class LlamaCppEngine:
             # Sequences live in separate KV streams, which llama.cpp copies only whole.
             ll.llama_memory_seq_rm(mem, slot, -1, -1)
             ll.llama_memory_seq_cp(mem, source, slot, -1, -1)
+        grammar = self.grammars.state(params.grammar, params.grammar_trigger)
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
-        self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs)
+        self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
         return keep
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
@@ -370,7 +396,14 @@ class LlamaCppEngine:
         for s, idx in owners:
             q = seqs[s]
             assert q is not None
+            g = q.grammar
+            if g is not None and g.active:
+                import numpy as np
+
+                g.mask_logits(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), shape=(self.n_vocab,)))
             tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
+            if g is not None:
+                g.accept(tok)
             q.last = tok
             out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None))
         return out

@@ -198,10 +198,16 @@ class EngineLoop:
         # Slots that copy from the lead go first: the lead's own start trims nothing they need.
         for slot, job in sorted(wave, key=lambda w: plan[w[0]][0] == w[0]):
             src, keep = plan[slot]
-            job.slot = slot
             job.t0 = now
-            job.detok = self.engine.detokenizer()
-            job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
+            job.detok = self.engine.detokenizer(job.params.special)
+            try:
+                job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
+            except LocalrunError as e:  # this request's own fault (its grammar): the others go on
+                self.jobs.pop(job.rid, None)
+                self.cached[slot] = []
+                self.sink.error(job.rid, e)
+                continue
+            job.slot = slot
             self.prompt_tokens += len(job.tokens) - job.reused
             self.cached[slot] = []
             self.slots[slot] = job

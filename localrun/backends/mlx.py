@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends.base import Embeddings, Sampled, token_logprob
+from localrun.backends.grammar import Grammars, GrammarState, import_llguidance
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
     BackendUnavailableError,
@@ -119,6 +120,26 @@ def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable
     return sample
 
 
+def constrain(mx: Any, grammar: GrammarState, n_fed: int) -> Callable[[Any, Any], Any]:
+    """A logits processor that applies a sequence's grammar: it advances the matcher over the
+    tokens generated since its last call, then masks what the grammar forbids."""
+    import numpy as np
+
+    def process(tokens: Any, logits: Any) -> Any:
+        generated = tokens[n_fed:]
+        for t in np.array(generated[grammar.consumed:]).tolist():
+            grammar.accept(int(t))
+        if not grammar.active:
+            return logits
+        allowed = grammar.allowed()
+        vocab = logits.shape[-1]
+        if allowed.shape[0] < vocab:
+            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=bool)])
+        return mx.where(mx.array(allowed[:vocab])[None], logits, -float("inf"))
+
+    return process
+
+
 def penalties(mx: Any, params: GenerationParams, n_fed: int) -> Callable[[Any, Any], Any]:
     """llama.cpp's repetition, frequency and presence penalties over the last `repeat_last_n`
     generated tokens (not the prompt).
@@ -213,6 +234,27 @@ class MLXEngine:
         self.slot_uid: list[int | None] = [None] * self.n_slots
         self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
         self.logprobs: list[int | None] = [None] * self.n_slots
+        self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
+                                 lambda t: str(self.tokenizer.decode([t])))
+
+    def _llg_tokenizer(self) -> Any:
+        """llguidance's view of the Hugging Face tokenizer, with every EOS token as its EOS."""
+        import_llguidance()
+        from llguidance.hf import from_tokenizer
+
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        try:
+            return from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos))
+        except ValueError as e:
+            raise UsageError(f"structured output on MLX needs a fast (tokenizer.json) tokenizer; "
+                             f"'{self.model_info.name}' has another kind ({e})") from e
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the added (special) token spelled `text`, if the tokenizer has one."""
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        added = getattr(hf, "get_added_vocab", lambda: {})()
+        tid = added.get(text)
+        return int(tid) if tid is not None else None
 
     def _chat_template(self) -> str | None:
         tpl = getattr(self.tokenizer, "chat_template", None)
@@ -254,7 +296,8 @@ class MLXEngine:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
         if self.template:
-            text = render_template(self.template, request.messages, bos_token=bos, eos_token=tok.eos_token or "")
+            text = render_template(self.template, request.messages, bos_token=bos, eos_token=tok.eos_token or "",
+                                   **request.template_extras())
         elif getattr(tok, "_chat_template", None) is not None:
             # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).
             text = tok.apply_chat_template([m.to_dict() for m in request.messages], tokenize=False,
@@ -268,7 +311,7 @@ class MLXEngine:
     def is_eog(self, token: int) -> bool:
         return token in self.eos
 
-    def detokenizer(self) -> _Detok:
+    def detokenizer(self, special: bool = False) -> _Detok:
         return _Detok(self.tokenizer)
 
     # -- the engine loop's operations -----------------------------------------------------
@@ -285,6 +328,9 @@ class MLXEngine:
         processors = []
         if params.penalized:
             processors.append(penalties(mx, params, len(tokens) - keep))
+        grammar = self.grammars.state(params.grammar, params.grammar_trigger)
+        if grammar is not None:
+            processors.append(constrain(mx, grammar, len(tokens) - keep))
         (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
                                  caches=[cache] if cache is not None else None,
                                  samplers=[make_sampler(mx, params, self.vocab_size)],

@@ -1,0 +1,207 @@
+"""Output constraints: a JSON schema, any JSON object, a GBNF grammar, a choice from a list.
+
+Every constraint becomes one Lark grammar in llguidance's dialect, which both engines apply at
+the sampler (a token mask per step, so only tokens that keep the output valid can be chosen).
+A constraint is checked here, before any engine sees it: an invalid schema or grammar, or a JSON
+Schema keyword that would not be enforced, is a UsageError naming it, never something dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from localrun.errors import BackendUnavailableError, UsageError
+
+# Keywords whose meaning is enforced while generating.
+_ENFORCED = frozenset({
+    "type", "properties", "required", "additionalProperties", "enum", "const", "items", "prefixItems",
+    "minItems", "maxItems", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "pattern", "format",
+    "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+})
+# Annotations: they describe, they do not constrain.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly", "writeOnly",
+    "deprecated", "$anchor",
+})
+FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")
+_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+# Compact separators and no free whitespace: a small model cannot wander off into blank lines.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json", "schema", "grammar", "choice", "regex", "lark")
+
+
+def check_schema(schema: Any, where: str = "schema") -> None:
+    """Refuse a JSON schema with a keyword the decoder would not enforce, naming it and its place."""
+    _walk(schema, where, "")
+
+
+def _walk(node: Any, where: str, path: str) -> None:
+    at = path or "/"
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, Mapping):
+        raise UsageError(f"invalid {where}: the schema at {at} must be an object or a boolean, not {type(node).__name__}")
+    for key in node:
+        if key not in _ENFORCED and key not in _ANNOTATIONS and not str(key).startswith("x-"):
+            raise UsageError(f"unsupported JSON Schema keyword '{key}' at {at} of the {where}",
+                             f"structured output enforces: {', '.join(sorted(_ENFORCED))}")
+    types = node.get("type")
+    for t in [types] if isinstance(types, str) else (types or []):
+        if t not in _TYPES:
+            raise UsageError(f"invalid {where}: unknown type {t!r} at {at}", f"use one of {', '.join(sorted(_TYPES))}")
+    fmt = node.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise UsageError(f"unsupported string format {fmt!r} at {at} of the {where}", f"supported: {', '.join(FORMATS)}")
+    ref = node.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        raise UsageError(f"invalid {where}: only local references (#/...) are supported, not {ref!r} at {at}")
+    required = node.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise UsageError(f"invalid {where}: 'required' at {at} must be a list of property names")
+    for key in ("properties", "$defs", "definitions"):
+        sub = node.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, Mapping):
+            raise UsageError(f"invalid {where}: '{key}' at {at} must be an object")
+        for name, child in sub.items():
+            _walk(child, where, f"{path}/{key}/{name}")
+    for key in ("additionalProperties", "items"):
+        if key in node and not isinstance(node[key], bool):
+            _walk(node[key], where, f"{path}/{key}")
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        sub = node.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, list) or not sub:
+            raise UsageError(f"invalid {where}: '{key}' at {at} must be a non-empty list of schemas")
+        for i, child in enumerate(sub):
+            _walk(child, where, f"{path}/{key}/{i}")
+
+
+def schema_lark(schema: Any, rule: str = "start") -> str:
+    """The Lark rule for JSON that validates against schema (compact separators)."""
+    body = dict(schema) if isinstance(schema, Mapping) else ({} if schema else {"not": {}})
+    body.setdefault("x-guidance", _JSON_STYLE)
+    return f"{rule}: %json {json.dumps(body, ensure_ascii=False)}\n"
+
+
+def literal(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must be. `grammar` is the Lark text the engines apply."""
+
+    kind: str
+    grammar: str
+    source: Any = None  # the schema, grammar text or choices it was made from
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Any JSON object."""
+        return cls("json", schema_lark({"type": "object"}), {"type": "object"})
+
+    @classmethod
+    def schema(cls, schema: Any, where: str = "schema") -> Constraint:
+        if isinstance(schema, str):
+            schema = _load_json(schema, where)
+        check_schema(schema, where)
+        return cls("schema", _validated(schema_lark(schema), where), schema)
+
+    @classmethod
+    def gbnf(cls, text: str, where: str = "grammar") -> Constraint:
+        """A llama.cpp GBNF grammar (root rule `root`); a Lark grammar is taken as it is."""
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"invalid {where}: it is empty")
+        _llguidance(where)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(text)
+        except Exception as e:  # the converter raises its own error types and ValueError
+            raise UsageError(f"invalid {where}: {e}", "write it in GBNF (llama.cpp's grammar format)") from e
+        return cls("grammar", _validated(lark, where), text)
+
+    @classmethod
+    def choice(cls, options: Sequence[str], where: str = "choice") -> Constraint:
+        items = [o for o in options if isinstance(o, str)]
+        if not items or len(items) != len(options) or any(not o for o in items):
+            raise UsageError(f"invalid {where}: expected a non-empty list of non-empty strings")
+        lark = "start: " + " | ".join(literal(o) for o in dict.fromkeys(items)) + "\n"
+        return cls("choice", _validated(lark, where), list(items))
+
+    @classmethod
+    def regex(cls, pattern: str, where: str = "regex") -> Constraint:
+        return cls("regex", _validated(f"start: /{pattern.replace('/', chr(92) + '/')}/\n", where), pattern)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], where: str = "constraint") -> Constraint:
+        """From {"schema": ...} / {"grammar": ...} / {"choice": [...]} / {"format": "json"} (rows, settings)."""
+        keys = [k for k in ("schema", "grammar", "choice", "format", "regex") if spec.get(k) is not None]
+        if len(keys) > 1:
+            raise UsageError(f"{where}: give one of schema, grammar, choice or format, not {' and '.join(keys)}")
+        if not keys:
+            raise UsageError(f"{where}: no constraint given")
+        key, value = keys[0], spec[keys[0]]
+        if key == "schema":
+            return cls.schema(value, f"{where} schema")
+        if key == "grammar":
+            return cls.gbnf(value, f"{where} grammar")
+        if key == "regex":
+            return cls.regex(value, f"{where} regex")
+        if key == "choice":
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",")]
+            return cls.choice(value, f"{where} choice")
+        if value == "json":
+            return cls.json_object()
+        if isinstance(value, Mapping):
+            return cls.schema(value, f"{where} format")
+        raise UsageError(f"{where}: format must be 'json' or a JSON schema, not {value!r}")
+
+    def to_spec(self) -> dict[str, Any]:
+        key = {"json": "format", "schema": "schema", "grammar": "grammar", "choice": "choice", "regex": "regex"}[self.kind]
+        return {key: "json" if self.kind == "json" else self.source}
+
+
+def read_text_or_file(value: str, what: str) -> str:
+    """A CLI value that is either the text itself or the path of a file holding it."""
+    p = Path(value).expanduser()
+    if len(value) < 4096 and "\n" not in value and p.is_file():
+        try:
+            return p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"cannot read the {what} file {value}: {e.strerror}") from e
+    return value
+
+
+def _load_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(read_text_or_file(text, where))
+    except ValueError as e:
+        raise UsageError(f"invalid {where}: not JSON ({e})", "give a JSON schema, or the path of a file with one") from e
+
+
+def _llguidance(where: str) -> Any:
+    try:
+        import llguidance
+    except ImportError as e:
+        raise BackendUnavailableError(f"the {where} needs llguidance (structured output), which is not installed",
+                                      "pip install llguidance") from e
+    return llguidance
+
+
+def _validated(lark: str, where: str) -> str:
+    """The grammar, once llguidance has compiled it (with no tokenizer: structure only)."""
+    llguidance = _llguidance(where)
+    message = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), None)
+    if message and not message.startswith("WARNING"):
+        raise UsageError(f"invalid {where}: {message.strip()}")
+    return lark
