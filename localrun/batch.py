@@ -27,7 +27,9 @@ from localrun.generation import GenerationParams, Request
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 ROW_KEYS = ("id", "prompt", "messages", "system")
-SETTINGS = tuple(f.name for f in fields(GenerationParams))
+CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
+# Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
+SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special"))
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,19 @@ def _request(prompt: str | None, messages: Any, system: str | None, raw: bool) -
 
 def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationParams | None:
     """The row's own generation settings over the batch's, or None when it has none."""
-    own = {k: v for k, v in row.items() if k not in ROW_KEYS}
-    if not own:
+    own = {k: v for k, v in row.items() if k not in ROW_KEYS and k not in CONSTRAINT_KEYS}
+    spec = {k: row[k] for k in CONSTRAINT_KEYS if row.get(k) is not None}
+    if not own and not spec:
         return None
     unknown = sorted(k for k in own if k not in SETTINGS)
     if unknown:
-        raise UsageError(f"unknown setting(s) {', '.join(map(repr, unknown))}", f"known: {', '.join(SETTINGS)}")
+        raise UsageError(f"unknown setting(s) {', '.join(map(repr, unknown))}",
+                         f"known: {', '.join(SETTINGS + CONSTRAINT_KEYS)}")
     base = defaults.to_dict()
+    if spec:
+        from localrun.constraint import Constraint
+
+        base["grammar"] = Constraint.from_spec(spec, "row").grammar
     for name, value in own.items():
         if name == "stop":
             value = [value] if isinstance(value, str) else value

@@ -47,7 +47,7 @@ def _walk(node: Any, where: str, path: str) -> None:
         raise UsageError(f"invalid {where}: the schema at {at} must be an object or a boolean, not {type(node).__name__}")
     for key in node:
         if key not in _ENFORCED and key not in _ANNOTATIONS and not str(key).startswith("x-"):
-            raise UsageError(f"unsupported JSON Schema keyword '{key}' at {at} of the {where}",
+            raise UsageError(f"unsupported JSON Schema keyword '{key}' in the {where} (at {at})",
                              f"structured output enforces: {', '.join(sorted(_ENFORCED))}")
     types = node.get("type")
     for t in [types] if isinstance(types, str) else (types or []):
@@ -55,7 +55,7 @@ def _walk(node: Any, where: str, path: str) -> None:
             raise UsageError(f"invalid {where}: unknown type {t!r} at {at}", f"use one of {', '.join(sorted(_TYPES))}")
     fmt = node.get("format")
     if fmt is not None and fmt not in FORMATS:
-        raise UsageError(f"unsupported string format {fmt!r} at {at} of the {where}", f"supported: {', '.join(FORMATS)}")
+        raise UsageError(f"unsupported string format {fmt!r} in the {where} (at {at})", f"supported: {', '.join(FORMATS)}")
     ref = node.get("$ref")
     if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
         raise UsageError(f"invalid {where}: only local references (#/...) are supported, not {ref!r} at {at}")
@@ -83,9 +83,23 @@ def _walk(node: Any, where: str, path: str) -> None:
             _walk(child, where, f"{path}/{key}/{i}")
 
 
+def closed_objects(node: Any) -> Any:
+    """A copy of schema where an object with `properties` and no `additionalProperties` takes
+    no other keys (llama.cpp's and OpenAI strict mode's reading). Everything it allows still
+    validates against the original; left open, a small model wanders off into invented keys."""
+    if isinstance(node, list):
+        return [closed_objects(n) for n in node]
+    if not isinstance(node, Mapping):
+        return node
+    out = {k: (v if k in ("enum", "const", "default", "examples") else closed_objects(v)) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out and isinstance(out["properties"], Mapping):
+        out["additionalProperties"] = False
+    return out
+
+
 def schema_lark(schema: Any, rule: str = "start") -> str:
-    """The Lark rule for JSON that validates against schema (compact separators)."""
-    body = dict(schema) if isinstance(schema, Mapping) else ({} if schema else {"not": {}})
+    """The Lark rule for JSON that validates against schema (compact separators, closed objects)."""
+    body = closed_objects(schema) if isinstance(schema, Mapping) else ({} if schema else {"not": {}})
     body.setdefault("x-guidance", _JSON_STYLE)
     return f"{rule}: %json {json.dumps(body, ensure_ascii=False)}\n"
 

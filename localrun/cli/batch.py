@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from localrun.cli.options import (
+    add_constraint_flags,
     MAX_PARALLEL,
     add_generation_flags,
     add_load_flags,
@@ -28,12 +29,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", "-i", required=True, metavar="IN",
                    help="JSONL ({\"id\", \"prompt\" | \"messages\", settings...} per line) or text (one prompt per line); '-' is stdin")
     p.add_argument("--output", "-o", required=True, metavar="OUT", help="where results go, one row each as it finishes; '-' is stdout")
-    p.add_argument("--format", choices=("jsonl", "csv"), help="output format (default: csv for a .csv file, else jsonl)")
+    p.add_argument("--format", choices=("jsonl", "csv", "json"),
+                   help="jsonl or csv: the output format (default: csv for a .csv file, else jsonl); "
+                        "json: every reply is a JSON object (structured output)")
+    p.add_argument("--output-format", choices=("jsonl", "csv"), help="the output format, when --format says json")
     p.add_argument("--resume", action="store_true", help="skip the ids already in OUT and append the others")
     p.add_argument("--parallel", "-p", type=int_in(1, MAX_PARALLEL), default=DEFAULT_PARALLEL, metavar="N",
                    help=f"rows generated at once (default {DEFAULT_PARALLEL})")
     p.add_argument("--raw", action="store_true", help="complete prompts as plain text, without the chat template")
     add_generation_flags(p)
+    add_constraint_flags(p, format_flag=False)
     add_load_flags(p)
     p.set_defaults(func=cmd_batch)
 
@@ -51,7 +56,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     params = params_from_args(args)
     options = load_options_from_args(args, n_parallel=args.parallel)
-    fmt = batching.output_format(args.output, args.format)
+    fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
     rows = batching.read_input(args.input, params, args.system, args.raw)
     total = len(rows)

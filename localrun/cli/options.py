@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from localrun.generation import GenerationParams, LoadOptions
 
@@ -55,6 +56,38 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system", help="system prompt")
 
 
+def add_constraint_flags(p: argparse.ArgumentParser, format_flag: bool = True) -> None:
+    """Structured output: the reply must match a JSON schema, any JSON object, a grammar or a choice."""
+    g = p.add_argument_group("structured output (one of)")
+    g.add_argument("--schema", metavar="FILE|JSON", help="the reply is JSON that validates against this JSON schema")
+    if format_flag:
+        g.add_argument("--format", choices=("json",), help="json: the reply is a JSON object")
+    g.add_argument("--grammar", metavar="FILE", help="the reply matches this GBNF grammar (llama.cpp's format)")
+    g.add_argument("--choice", metavar="A,B,C", help="the reply is exactly one of these comma-separated options")
+
+
+def constraint_from_args(args: argparse.Namespace) -> Any:
+    """The Constraint the flags ask for, or None."""
+    from localrun.constraint import Constraint, read_text_or_file
+    from localrun.errors import UsageError
+
+    fmt = getattr(args, "format", None)
+    given = {"--schema": args.schema, "--format": fmt if fmt == "json" else None, "--grammar": args.grammar,
+             "--choice": args.choice}
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} cannot be combined", "give one constraint")
+    if args.schema is not None:
+        return Constraint.schema(args.schema, "--schema")
+    if args.grammar is not None:
+        return Constraint.gbnf(read_text_or_file(args.grammar, "--grammar"), "--grammar")
+    if args.choice is not None:
+        return Constraint.choice([c.strip() for c in args.choice.split(",")], "--choice")
+    if fmt == "json":
+        return Constraint.json_object()
+    return None
+
+
 def add_load_flags(p: argparse.ArgumentParser) -> None:
     """Engine loading flags."""
     g = p.add_argument_group("engine")
@@ -68,7 +101,11 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
     """GenerationParams from parsed flags; unset flags keep the defaults."""
-    values = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
+    values: dict[str, Any] = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
+    if hasattr(args, "schema"):
+        c = constraint_from_args(args)
+        if c is not None:
+            values["grammar"] = c.grammar
     return GenerationParams(stop=tuple(getattr(args, "stop", []) or ()), **values)
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from localrun.cli.options import (
+    add_constraint_flags,
     add_generation_flags,
     add_load_flags,
     load_options_from_args,
@@ -23,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed on stderr")
     add_generation_flags(p)
+    add_constraint_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_run)
 

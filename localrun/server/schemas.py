@@ -6,10 +6,12 @@ know; fields that would change the answer and that localrun cannot honour are re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from localrun.constraint import Constraint
 from localrun.errors import UsageError
 from localrun.generation import GenerationParams
 from localrun.server import parse_duration
@@ -101,11 +103,25 @@ class ChatCompletionRequest(Sampling):
             raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
         if self.tools:
             raise UsageError("tools are not supported by this server yet", "send the request without tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UsageError(f"response_format {self.response_format.get('type')!r} is not supported yet",
-                             "omit response_format or use {\"type\": \"text\"}")
-        return self.params(self.max_completion_tokens or self.max_tokens,
-                           (self.top_logprobs or 0) if self.logprobs else None)
+        params = self.params(self.max_completion_tokens or self.max_tokens,
+                             (self.top_logprobs or 0) if self.logprobs else None)
+        constraint = response_constraint(self.response_format)
+        return replace(params, grammar=constraint.grammar) if constraint is not None else params
+
+
+def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
+    """OpenAI's response_format: text, json_object, or json_schema ({name, schema, strict})."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = (fmt or {}).get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise UsageError("response_format json_schema needs {\"json_schema\": {\"name\", \"schema\"}}")
+        return Constraint.schema(spec["schema"], "response_format schema")
+    raise UsageError(f"response_format type {kind!r} is not supported", "use text, json_object or json_schema")
 
 
 def _texts(value: str | list[str] | list[int] | list[list[int]], field: str) -> list[str]:
@@ -220,11 +236,17 @@ class OllamaGenerating(_Loading):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 
     def generation(self) -> GenerationParams:
-        if self.format not in (None, ""):
-            raise UsageError("format (structured output) is not supported yet", "send the request without format")
         if self.think not in (None, False):
             raise UsageError(f"'{self.model}' does not support thinking", "send the request without think")
-        return self.options.params(self.top_logprobs if self.logprobs else None)
+        params = self.options.params(self.top_logprobs if self.logprobs else None)
+        constraint = None
+        if self.format == "json":
+            constraint = Constraint.json_object()
+        elif isinstance(self.format, dict):
+            constraint = Constraint.schema(self.format, "format schema")
+        elif self.format not in (None, ""):
+            raise UsageError(f"format must be \"json\" or a JSON schema, not {self.format!r}")
+        return replace(params, grammar=constraint.grammar) if constraint is not None else params
 
 
 class OllamaMessage(_Body):
