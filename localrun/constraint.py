@@ -186,14 +186,18 @@ class Constraint:
 
 
 def read_text_or_file(value: str, what: str) -> str:
-    """A CLI value that is either the text itself or the path of a file holding it."""
+    """A CLI value that is either the text itself or the path of a file (or pipe) holding it."""
+    if value.lstrip()[:1] in ("{", "[") or "\n" in value:
+        return value
     p = Path(value).expanduser()
-    if len(value) < 4096 and "\n" not in value and p.is_file():
-        try:
-            return p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise UsageError(f"cannot read the {what} file {value}: {e.strerror}") from e
-    return value
+    try:
+        if not p.exists() or p.is_dir():
+            return value
+        return p.read_text(encoding="utf-8")
+    except OSError as e:
+        if len(value) > 255:  # too long to be a path: it is the text
+            return value
+        raise UsageError(f"cannot read the {what} file {value}: {e.strerror}") from e
 
 
 def _load_json(text: str, where: str) -> Any:
