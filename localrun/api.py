@@ -6,7 +6,9 @@ subclasses; engines run in worker processes so that their crashes become errors.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +175,25 @@ def generate(
         EngineCrashedError: the engine process died; the caller keeps running.
     """
     return session.stream(request, params or GenerationParams(), cancel)
+
+
+def chat_template(model: ModelInfo) -> str | None:
+    """The model's own chat template (GGUF metadata, or an MLX folder's tokenizer files), if any."""
+    if model.format == "gguf":
+        tpl = (model.details or {}).get("chat_template")
+        return tpl if isinstance(tpl, str) and tpl.strip() else None
+    folder = Path(model.path)
+    jinja = folder / "chat_template.jinja"
+    try:
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # named templates: the default one
+        tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    return tpl if isinstance(tpl, str) and tpl.strip() else None
 
 
 def build_messages(prompt: str, system: str | None = None, history: list[dict[str, str]] | None = None) -> Request:
