@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from collections.abc import Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import (
@@ -175,6 +175,15 @@ def generate(
         EngineCrashedError: the engine process died; the caller keeps running.
     """
     return session.stream(request, params or GenerationParams(), cancel)
+
+
+def constraint(spec: dict[str, Any], where: str = "constraint") -> Any:
+    """A structured-output constraint from {"format": "json"} / {"schema"} / {"grammar"} / {"choice"}.
+
+    Raises UsageError naming what is wrong (an unsupported schema keyword, a broken grammar)."""
+    from localrun.constraint import Constraint
+
+    return Constraint.from_spec(spec, where)
 
 
 def chat_template(model: ModelInfo) -> str | None:

@@ -24,7 +24,7 @@ from localrun.errors import UsageError
 
 CHOICES = ("auto", "required", "none")
 ContentDelta = tuple[Literal["content"], str]
-CallDelta = tuple[Literal["call"], int, "str | None", "str | None", "str | None"]
+CallDelta = tuple[Literal["call"], int, str | None, str | None, str | None]
 Event = ContentDelta | CallDelta
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -35,7 +35,6 @@ _ARG_KEYS = ("arguments", "parameters")
 _STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # TEXT may end in '>' (<|python_tag|>): the placeholder ends at the last '>>' of a run of '>'.
 _SPECIAL = re.compile(r"<<special:(.+?)>>(?!>)", re.S)
-_THINK_RULES = 'THINK: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n'
 
 
 # -- tools and tool_choice -----------------------------------------------------------------
@@ -101,7 +100,7 @@ def normalize_choice(raw: Any, tools: Sequence[Mapping[str, Any]]) -> str:
         return "auto"
     if isinstance(raw, Mapping):
         fn = raw.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else raw.get("name")  # Responses API: flat
         if raw.get("type", "function") != "function" or not isinstance(name, str):
             raise UsageError(f"invalid tool_choice {raw!r}", 'use {"type": "function", "function": {"name": ...}}')
         if name not in names:
@@ -364,7 +363,8 @@ class _Calls:
         self.claimed = False  # events were produced: the block was a call block
 
     def frag(self, f: _Frag) -> None:
-        if self.role == "generic" and f.path == ("response",) and f.kind == "str":
+        # generic: the answer, or (as prepare writes past turns) the text beside the calls
+        if self.role == "generic" and f.path in (("response",), ("content",)) and f.kind == "str":
             self._out(("content", f.text))
             return
         key = self._key(f.path)
@@ -450,8 +450,7 @@ class _Block:
         if self.status == "open" and self.reader is not None and not self.reader.done:
             self._fed(self.reader.finish())
         if self.status == "open":
-            left = [kind for kind, _ in self.steps[self.i:]]
-            done = all(k in ("ws", "opt") for k in left) and not (left and left[0] == "opt" and self.matched == 0 and False)
+            done = all(kind in ("ws", "opt") for kind, _ in self.steps[self.i:])
             self.status = "done" if done else "failed"
 
     def _char(self, ch: str) -> bool:
@@ -536,7 +535,7 @@ class ToolStreamer:
         self.atomic = atomic  # hold a block's events until it ends; a broken block is content
         self.pending = ""
         self.block: _Block | None = None
-        self.held: list[Event] = []
+        self.buffered: list[Event] = []
         self.out: list[Event] = []
         self.count = 0
         self.started = False
@@ -565,11 +564,11 @@ class ToolStreamer:
             if not body:
                 self.pending = text
                 return ""
+            self.plain = True  # one JSON object, at the start, or none
             if body[0] == "{":
                 self._content(text[: len(text) - len(body)])
                 self._open(_Opener("{", (("json", "generic"),), keep=True))
                 return body
-            self.plain = True
         hit = _first(text, self.fmt.openers)
         if hit is None:
             keep = _held_prefix(text, self.fmt.openers)
@@ -583,8 +582,8 @@ class ToolStreamer:
         return text[at:] if opener.keep else text[at + len(opener.text):]
 
     def _open(self, opener: _Opener) -> None:
-        self.block = _Block(opener, _Calls(opener.steps[-1][1] if opener.keep else _role(opener),
-                                           self._emit, self._index, self.fmt.new_id))
+        role = next(arg for kind, arg in opener.steps if kind == "json")
+        self.block = _Block(opener, _Calls(role, self._emit, self._index, self.fmt.new_id))
 
     def _in_block(self, text: str) -> str:
         assert self.block is not None
@@ -597,7 +596,7 @@ class ToolStreamer:
         """The block has ended: release or drop its events; return the text to read again."""
         block, self.block = self.block, None
         assert block is not None
-        held, self.held = self.held, []
+        held, self.buffered = self.buffered, []
         if block.status == "done" and block.calls.claimed:
             self._release(held)
             return block.held
@@ -610,7 +609,7 @@ class ToolStreamer:
 
     def _emit(self, event: Event) -> None:
         if self.atomic:
-            self.held.append(event)
+            self.buffered.append(event)
         else:
             self._release([event])
 
@@ -651,10 +650,6 @@ class ToolStreamer:
                 out.append(ev)
         self.out = []
         return out
-
-
-def _role(opener: _Opener) -> str:
-    return next(arg for kind, arg in opener.steps if kind == "json")
 
 
 def _first(text: str, openers: Sequence[_Opener]) -> tuple[int, _Opener] | None:
@@ -714,6 +709,23 @@ def _sp(text: str) -> str:
     return f"<<special:{text}>>"
 
 
+def _rx(text: str) -> str:
+    """text as a literal inside a Lark /regex/."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+def _thought(before: str = "") -> str:
+    """Rules for `thought`: reasoning up to and including </think>. The lexer is greedy, so free
+    text must not be able to run past </think> as literal text (then `think_lit`, lazy, ends at it)
+    nor, when the reply may skip thinking, begin with the calls' opener `before`."""
+    skip = f" & ~/{_rx(before)}(?s:.*)/" if before else ""
+    return (f"thought: THINK {_sp('</think>')} | think_lit\n"
+            "think_lit[lazy]: THINK_LIT\n"
+            f"THINK: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/{skip}\n"
+            f"THINK_LIT: /(?s:.*)<\\/think>/{skip}\n"
+            "WS: /[ \\t\\r\\n]+/\n")
+
+
 def _json_rule(rule: str, schema: Mapping[str, Any]) -> str:
     # '<' spelled \u003c: nothing inside a schema can be taken for a <<special:...>> placeholder
     body = json.dumps({**schema, "x-guidance": _STYLE}, ensure_ascii=False).replace("<", "\\u003c")
@@ -744,9 +756,10 @@ def _array(items: dict[str, Any], parallel: bool) -> dict[str, Any]:
 
 
 def _chosen(tools: Sequence[Mapping[str, Any]], choice: str) -> list[Mapping[str, Any]]:
-    if choice in CHOICES:
-        return list(tools)
-    return [t for t in tools if t["function"]["name"] == choice]
+    chosen = list(tools) if choice in CHOICES else [t for t in tools if t["function"]["name"] == choice]
+    if not chosen:
+        raise UsageError(f"tool_choice {choice!r} names no tool given", "pass the tool in tools")
+    return chosen
 
 
 def _new_id(n: int) -> str:
@@ -782,6 +795,11 @@ class ToolFormat:
     def __init__(self, template: str | None = None) -> None:
         self.template = template
 
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        """Whether a chat template is of this family."""
+        return cls.trigger is not None and cls.trigger in template
+
     def prepare(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]],
                 choice: str = "auto") -> list[Message]:
         """The messages, ready for this family's template."""
@@ -797,7 +815,7 @@ class ToolFormat:
 
     def lazy_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
         """The grammar from the trigger on (it starts with the trigger)."""
-        return "start: calls\n" + self._calls(list(tools), parallel)
+        return "start: calls\n" + self._calls(_chosen(tools, "auto"), parallel)
 
     def constraint(self, tools: Sequence[Mapping[str, Any]], choice: str,
                    parallel: bool = True) -> tuple[str, str | None] | None:
@@ -840,7 +858,7 @@ class Hermes(ToolFormat):
     def _prefix(self) -> tuple[str, str]:
         if not self.template or "<think>" not in self.template:
             return "", ""
-        return "think? ", f"think: {_sp('<think>')} THINK {_sp('</think>')} WS?\n" + _THINK_RULES
+        return "think? ", f"think: {_sp('<think>')} thought WS?\n" + _thought()
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         many = ' ("\\n" call)*' if parallel else ""
@@ -973,7 +991,7 @@ class DeepSeekR1(ToolFormat):
 
     def _prefix(self) -> tuple[str, str]:
         # The prompt ends inside <think>: the reply may finish that thought first.
-        return f"(THINK? {_sp('</think>')} WS?)? ", _THINK_RULES
+        return "(thought WS?)? ", _thought(_DS["tool_calls_begin"])
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         many = ' ("\\n" call)*' if parallel else ""
@@ -1034,27 +1052,24 @@ def _generic_history(messages: Sequence[Message], tool_role: bool) -> list[Messa
     """Calls and results as the JSON text a template without tool support can show."""
     out: list[Message] = []
     names: dict[str, str] = {}
+    joined = False  # out[-1] is a user turn holding tool results: a user turn after it joins it
     for m in messages:
+        result = m.role == "tool"
         if m.role == "assistant" and m.tool_calls:
             names.update({c["id"]: c["function"]["name"] for c in m.tool_calls if c.get("id")})
             obj: dict[str, Any] = {"tool_calls": _plain_calls(m)}
             if m.content.strip():
                 obj["content"] = m.content
-            out.append(Message("assistant", json.dumps(obj, ensure_ascii=False)))
-        elif m.role == "tool":
+            m = Message("assistant", json.dumps(obj, ensure_ascii=False))
+        elif result:
             name = m.name or names.get(m.tool_call_id or "")
             response = {"tool": name, "content": m.content} if name else {"content": m.content}
-            text = json.dumps({"tool_response": response}, ensure_ascii=False)
-            if tool_role:
-                out.append(Message("tool", text))
-            elif out and out[-1].role == "user":  # templates that insist on alternating turns
-                out[-1] = replace(out[-1], content=out[-1].content + "\n" + text)
-            else:
-                out.append(Message("user", text))
-        elif m.role == "user" and out and out[-1].role == "user" and not tool_role:
-            out[-1] = replace(out[-1], content=out[-1].content + "\n\n" + m.content)
+            m = Message("tool" if tool_role else "user", json.dumps({"tool_response": response}, ensure_ascii=False))
+        if joined and m.role == "user":  # for templates that insist on alternating turns (Gemma)
+            out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n{m.content}")
         else:
             out.append(m)
+        joined = m.role == "user" and (result or joined)
     return out
 
 
@@ -1084,18 +1099,62 @@ def _renders(template: str | None, role: str) -> bool:
         return False
 
 
-_FAMILIES: tuple[type[ToolFormat], ...] = (DeepSeekR1, Mistral, Granite, Hermes)
-_MARKERS = {DeepSeekR1: _DS["tool_calls_begin"], Mistral: "[TOOL_CALLS]", Granite: "<|tool_call|>",
-            Hermes: "<tool_call>"}
-
-
 @lru_cache(maxsize=32)
 def detect_format(template: str | None) -> ToolFormat:
     """The tool-call family of a chat template: generic when it has no tool syntax (or is None)."""
     if template:
-        for cls in _FAMILIES:
-            if _MARKERS[cls] in template:
+        for cls in (DeepSeekR1, Mistral, Granite, Hermes, Llama3):
+            if cls.matches(template):
                 return cls(template)
-        if Llama3.matches(template):
-            return Llama3(template)
     return Generic(template)
+
+
+# -- a request with tools --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request uses its tools on one model: the prompt, the constraint, the parser."""
+
+    format: ToolFormat
+    tools: tuple[dict[str, Any], ...]
+    choice: str
+    parallel: bool = False
+
+    @classmethod
+    def make(cls, template: str | None, raw_tools: Any, raw_choice: Any = None, parallel: bool = False) -> ToolPlan | None:
+        """The plan for a request's tools on a model with this chat template; None without tools."""
+        if not raw_tools:
+            if raw_choice not in (None, "none", "auto"):
+                raise UsageError("tool_choice needs tools", "send the tools, or drop tool_choice")
+            return None
+        tools = parse_tools(raw_tools)
+        return cls(detect_format(template), tuple(tools), normalize_choice(raw_choice, tools), parallel)
+
+    def request(self, messages: Sequence[Message]) -> Any:
+        """The Request: messages prepared for the template, tools passed where it renders them."""
+        from localrun.generation import Request
+
+        prepared = self.format.prepare(list(messages), list(self.tools), self.choice)
+        return Request(messages=tuple(prepared), tools=self.tools if self.format.native else ())
+
+    def params(self, params: Any) -> Any:
+        """The generation settings with the call grammar (lazy under "auto" on native formats)."""
+        import dataclasses
+
+        # A named function is one call of it; more calls only when asked for and the choice allows.
+        c = self.format.constraint(list(self.tools), self.choice, self.parallel and self.choice in ("auto", "required"))
+        if c is not None and params.grammar is not None:
+            raise UsageError("a response format cannot be combined with tools",
+                             "drop response_format/format, or set tool_choice to none")
+        if c is None:
+            return dataclasses.replace(params, special=True)
+        return dataclasses.replace(params, grammar=c[0], grammar_trigger=c[1], special=True)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.choice == "none":
+            return text, []
+        return self.format.parse(text)
+
+    def streamer(self) -> ToolStreamer | None:
+        """The incremental parser for a streamed reply; None when no call can come (choice none)."""
+        return None if self.choice == "none" else self.format.streamer()

@@ -11,11 +11,15 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from localrun import api
 from localrun.generation import GenerationParams
+
+# The structured-output spec as the user gave it, beside the sampling settings in the params column.
+OUTPUT_KEY = "output"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -60,6 +64,7 @@ class Conversation:
     updated: float
     turns: tuple[Turn, ...] = ()
     message_count: int = 0
+    output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec) of params.grammar
 
     def history(self) -> list[dict[str, str]]:
         """The messages in the shape `api.build_messages` takes."""
@@ -73,16 +78,28 @@ def default_path() -> Path:
     return home() / "conversations.sqlite3"
 
 
-def _params(raw: str) -> GenerationParams:
+def _settings(raw: str) -> tuple[GenerationParams, dict[str, Any] | None]:
+    """The params column's settings and output spec; the grammar is rebuilt from the spec."""
     try:
-        return GenerationParams.from_dict(json.loads(raw or "{}"))
+        data = json.loads(raw or "{}")
+        output = data.pop(OUTPUT_KEY, None)
+        params = GenerationParams.from_dict(data)
     except Exception:  # noqa: BLE001 - a settings row from another version: fall back to defaults
-        return GenerationParams()
+        return GenerationParams(), None
+    if output is None:
+        return params, None
+    try:
+        grammar = api.constraint(output).grammar
+    except Exception:  # noqa: BLE001 - a spec this version refuses, or llguidance is gone: no constraint
+        return replace(params, grammar=None, grammar_trigger=None), None
+    return replace(params, grammar=grammar, grammar_trigger=None), output
 
 
-def _params_json(params: GenerationParams) -> str:
+def _params_json(params: GenerationParams, output: dict[str, Any] | None = None) -> str:
     data = params.to_dict()
     data["stop"] = list(data["stop"])
+    if output is not None:
+        data[OUTPUT_KEY] = output
     return json.dumps(data)
 
 
@@ -127,7 +144,7 @@ class ConversationStore:
                 "FROM conversations c JOIN messages m ON m.conversation_id = c.id "
                 "GROUP BY c.id ORDER BY c.updated DESC, c.id DESC"
             ).fetchall()
-        return [Conversation(r[0], r[1], r[2], r[3], _params(r[4]), r[5], message_count=r[6]) for r in rows]
+        return [_conversation(r[:6], message_count=r[6]) for r in rows]
 
     def get(self, cid: int) -> Conversation:
         """A conversation with its messages; KeyError when it does not exist."""
@@ -141,7 +158,7 @@ class ConversationStore:
                 "SELECT role, content, stats FROM messages WHERE conversation_id = ? ORDER BY id", (cid,)
             ).fetchall()
         turns = tuple(Turn(r[0], r[1], json.loads(r[2] or "{}")) for r in msgs)
-        return Conversation(row[0], row[1], row[2], row[3], _params(row[4]), row[5], turns, len(turns))
+        return _conversation(row, turns, len(turns))
 
     def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None) -> Conversation:
         """Store a complete exchange (prompt and reply) atomically; the first one titles the chat."""
@@ -174,10 +191,12 @@ class ConversationStore:
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
         return self.get(cid)
 
-    def update_settings(self, cid: int, system: str, params: GenerationParams) -> None:
-        """Save the system prompt and sampling settings of a conversation."""
+    def update_settings(self, cid: int, system: str, params: GenerationParams,
+                        output: dict[str, Any] | None = None) -> None:
+        """Save the system prompt, sampling settings and structured-output spec of a conversation."""
         with self._connect() as db:
-            db.execute("UPDATE conversations SET system = ?, params = ? WHERE id = ?", (system, _params_json(params), cid))
+            db.execute("UPDATE conversations SET system = ?, params = ? WHERE id = ?",
+                       (system, _params_json(params, output), cid))
 
     def set_model(self, cid: int, model: str) -> None:
         """Record the model a conversation continues with."""
@@ -199,6 +218,12 @@ class ConversationStore:
         for t in conv.turns:
             lines += [f"## {'You' if t.role == 'user' else 'Assistant'}", "", t.content, ""]
         return "\n".join(lines)
+
+
+def _conversation(row: Any, turns: tuple[Turn, ...] = (), message_count: int = 0) -> Conversation:
+    """A Conversation from (id, title, model, system, params, updated)."""
+    params, output = _settings(row[4])
+    return Conversation(row[0], row[1], row[2], row[3], params, row[5], turns, message_count, output)
 
 
 def _title(prompt: str) -> str:

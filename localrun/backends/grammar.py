@@ -12,26 +12,12 @@ applies from there on: the trigger is fed to the matcher, then every later token
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from localrun.errors import BackendUnavailableError, UsageError
-
-_SPECIAL = re.compile(r"<<special:(.+?)>>")
-
-
-def resolve_specials(lark: str, special_id: Callable[[str], int | None]) -> str:
-    """Replace each `<<special:TEXT>>` with the vocabulary's special token (`<[id]>`) when it has
-    one for TEXT, else with TEXT as a literal."""
-    import json
-
-    def sub(m: re.Match[str]) -> str:
-        tid = special_id(m.group(1))
-        return f"<[{tid}]>" if tid is not None else json.dumps(m.group(1), ensure_ascii=False)
-
-    return _SPECIAL.sub(sub, lark)
+from localrun.tools import resolve_specials
 
 
 def import_llguidance() -> Any:

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from localrun.cli.options import (
-    add_constraint_flags,
     MAX_PARALLEL,
+    add_constraint_flags,
     add_generation_flags,
     add_load_flags,
     int_in,

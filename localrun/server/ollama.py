@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from localrun import api
 from localrun import format as fmt
+from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, errors, resolve_model
@@ -44,6 +45,7 @@ from localrun.server.streams import (
     run_blocking,
 )
 from localrun.store import ModelInfo
+from localrun.tools import ToolPlan
 
 router = APIRouter()
 VERSION = "0.12.0"  # the Ollama API version this server speaks; clients check it is recent enough
@@ -141,7 +143,7 @@ async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: M
 
 
 async def _answer(request: HttpRequest, body: OllamaGenerating, model: ModelInfo, req: Request, params: GenerationParams,
-                  key: str) -> Response:
+                  key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
     run = generate(request, model, [Job(req, params)], body.keep_alive_seconds())
     await run.begin()
@@ -150,7 +152,8 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, model: ModelInfo
         return {"role": "assistant", "content": text} if key == "message" else text
 
     if body.stream:
-        return RunResponse(_lines(run, body, piece, key), run, NDJSON)
+        lines = _tool_lines(run, body, plan) if plan is not None else _lines(run, body, piece, key)
+        return RunResponse(lines, run, NDJSON)
     parts: list[str] = []
     lps: list[dict[str, Any]] = []
 
@@ -163,6 +166,11 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, model: ModelInfo
     await run.complete(collect())
     out = {"model": body.model, "created_at": _now(), key: piece("".join(parts)), "done": True,
            **_stats(run, run.finals[0])}
+    if plan is not None:
+        content, calls = plan.parse("".join(parts))
+        out[key] = {"role": "assistant", "content": content}
+        if calls:
+            out[key]["tool_calls"] = [c.to_ollama() for c in calls]
     if body.logprobs:
         out["logprobs"] = lps
     return JSONResponse(out)
@@ -183,6 +191,58 @@ async def _lines(run: Run, body: OllamaGenerating, piece: Any, key: str) -> Asyn
         yield _line(errors.ollama_body(e))
 
 
+async def _tool_lines(run: Run, body: OllamaGenerating, plan: ToolPlan) -> AsyncIterator[bytes]:
+    """A chat stream with tools: content as it comes; the calls, whole (arguments as objects),
+    in one message before the last line, as Ollama sends them."""
+    streamer = plan.streamer()
+    calls: dict[int, dict[str, Any]] = {}
+
+    def message(content: str) -> bytes:
+        return _line({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": content},
+                      "done": False})
+
+    def take(items: list[Any]) -> str:
+        text = ""
+        for item in items:
+            if item[0] == "content":
+                text += item[1]
+                continue
+            _, index, _, name, arguments = item
+            call = calls.setdefault(index, {"name": "", "arguments": ""})
+            call["name"] += name or ""
+            call["arguments"] += arguments or ""
+        return text
+
+    try:
+        async for _, chunk in run.items():
+            if not chunk.done:
+                text = take(streamer.feed(chunk.text)) if streamer else chunk.text
+                if text:
+                    yield message(text)
+                continue
+            text = take(streamer.flush()) if streamer else ""
+            if text:
+                yield message(text)
+            if calls:
+                tool_calls = [{"function": {"name": c["name"], "arguments": json.loads(c["arguments"] or "{}")}}
+                              for _, c in sorted(calls.items())]
+                yield _line({"model": body.model, "created_at": _now(),
+                             "message": {"role": "assistant", "content": "", "tool_calls": tool_calls}, "done": False})
+            yield _line({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                         "done": True, **_stats(run, chunk)})
+    except LocalrunError as e:
+        yield _line(errors.ollama_body(e))
+
+
+def _message(m: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_name:
+        out["name"] = m.tool_name
+    return out
+
+
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
@@ -190,8 +250,12 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     params = body.generation()
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
-    req = Request.chat([{"role": m.role, "content": m.content} for m in body.messages])
-    return await _answer(request, body, model, req, params, "message")
+    plan = ToolPlan.make(api.chat_template(model), body.tools, None)
+    messages = parse_messages([_message(m) for m in body.messages])
+    req = plan.request(messages) if plan else Request(messages=tuple(messages))
+    if plan:
+        params = plan.params(params)
+    return await _answer(request, body, model, req, params, "message", plan)
 
 
 @router.post("/api/generate")

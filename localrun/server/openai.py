@@ -11,7 +11,7 @@ import struct
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -19,6 +19,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from localrun import api
+from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, errors, resolve_model
@@ -39,6 +40,7 @@ from localrun.server.streams import (
     run_blocking,
 )
 from localrun.store import ModelInfo
+from localrun.tools import ToolPlan
 
 router = APIRouter(prefix="/v1")
 ROLES = {"developer": "system", "function": "tool"}  # OpenAI's newer and older names
@@ -69,6 +71,18 @@ def _seeded(params: GenerationParams, i: int) -> GenerationParams:
     if i == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + i) % 2**32)
+
+
+def _message(message: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as localrun's chat layer takes it (tool calls and results included)."""
+    out: dict[str, Any] = {"role": ROLES.get(message.role, message.role), "content": _text(message, i)}
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None and out["role"] == "tool":
+        out["name"] = message.name
+    return out
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -163,8 +177,11 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
     model = await _model(body.model)
     params = body.generation()
-    messages = [{"role": ROLES.get(m.role, m.role), "content": _text(m, i)} for i, m in enumerate(body.messages)]
-    req = Request.chat(messages)
+    plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
+    messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
+    req = plan.request(messages) if plan else Request(messages=tuple(messages))
+    if plan:
+        params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
     run = generate(request, model, jobs, None)
     await run.begin()
@@ -173,16 +190,67 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
             "system_fingerprint": "localrun"}
     if body.stream:
         base = {**head, "object": "chat.completion.chunk"}
-        events = _sse_stream(_chat_events(run, jobs, base, body), run, jobs, base, body.include_usage)
+        events = _sse_stream(_chat_events(run, jobs, base, body, plan), run, jobs, base, body.include_usage)
         return RunResponse(events, run, "text/event-stream")
     texts, lps = await run.complete(_collect(run))
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
-                "logprobs": _chat_logprobs(lps[i]) if body.logprobs else None,
-                "finish_reason": _finish(run.finals[i].finish_reason)} for i in range(len(jobs))]
+    choices = []
+    for i in range(len(jobs)):
+        message: dict[str, Any] = {"role": "assistant", "content": texts.get(i, "")}
+        finish = _finish(run.finals[i].finish_reason)
+        if plan:
+            content, calls = plan.parse(texts.get(i, ""))
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+                finish = "tool_calls"
+        choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(lps[i]) if body.logprobs else None,
+                        "finish_reason": finish})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(run, jobs)})
 
 
-async def _chat_events(run: Run, jobs: list[Job], base: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str | None) -> dict[str, Any]:
+    """One streamed piece of a tool call, in OpenAI's delta shape."""
+    fn: dict[str, Any] = {}
+    if name is not None:
+        fn["name"] = name
+    if arguments is not None:
+        fn["arguments"] = arguments
+    out: dict[str, Any] = {"index": index, "function": fn}
+    if call_id is not None:
+        out.update(id=call_id, type="function")
+    return out
+
+
+async def _tool_events(run: Run, jobs: list[Job], plan: ToolPlan,
+                       event: Callable[..., bytes]) -> AsyncIterator[bytes]:
+    """A stream with tools: content deltas, and each call as index, id, name, then arguments in pieces."""
+    streamers = [plan.streamer() for _ in jobs]
+    called = [False] * len(jobs)
+
+    def deltas(i: int, items: list[Any]) -> list[bytes]:
+        out = []
+        for item in items:
+            if item[0] == "content":
+                if item[1]:
+                    out.append(event(i, {"content": item[1]}))
+            else:
+                called[i] = True
+                out.append(event(i, {"tool_calls": [_call_delta(*item[1:])]}))
+        return out
+
+    async for i, chunk in run.items():
+        streamer = streamers[i]
+        if not chunk.done:
+            items = streamer.feed(chunk.text) if streamer else [("content", chunk.text)]
+        else:
+            items = streamer.flush() if streamer else []
+        for data in deltas(i, items):
+            yield data
+        if chunk.done:
+            yield event(i, {}, "tool_calls" if called[i] else _finish(chunk.finish_reason))
+
+
+async def _chat_events(run: Run, jobs: list[Job], base: dict[str, Any], body: ChatCompletionRequest,
+                       plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
     def event(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -194,6 +262,10 @@ async def _chat_events(run: Run, jobs: list[Job], base: dict[str, Any], body: Ch
     dumps = json.dumps
     for i in range(len(jobs)):
         yield event(i, {"role": "assistant", "content": ""})
+    if plan is not None:
+        async for data in _tool_events(run, jobs, plan, event):
+            yield data
+        return
     async for i, chunk in run.items():
         if not chunk.done:
             if not body.logprobs:

@@ -43,6 +43,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Body):
@@ -96,13 +98,14 @@ class ChatCompletionRequest(Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    # Off unless asked for, as in llama-server: a small model given room for more calls repeats its first.
+    parallel_tool_calls: bool = False
     response_format: dict[str, Any] | None = None
 
     def generation(self) -> GenerationParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
-        if self.tools:
-            raise UsageError("tools are not supported by this server yet", "send the request without tools")
         params = self.params(self.max_completion_tokens or self.max_tokens,
                              (self.top_logprobs or 0) if self.logprobs else None)
         constraint = response_constraint(self.response_format)
@@ -254,6 +257,7 @@ class OllamaMessage(_Body):
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None
     thinking: str | None = None
 
 
@@ -262,8 +266,6 @@ class OllamaChatRequest(OllamaGenerating):
     tools: list[Any] | None = None
 
     def generation(self) -> GenerationParams:
-        if self.tools:
-            raise UsageError(f"'{self.model}' does not support tools", "send the request without tools")
         if any(m.images for m in self.messages):
             raise UsageError(f"'{self.model}' does not support images", "send text messages only")
         return super().generation()

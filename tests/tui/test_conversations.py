@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
+from localrun.constraint import Constraint
 from localrun.generation import GenerationParams
 from tui.conversations import ConversationStore, default_path
 
@@ -46,6 +50,39 @@ def test_regenerate_replaces_only_the_last_reply_and_settings_persist(tmp_path: 
     store.update_settings(c.id, "You are terse.", GenerationParams(top_k=7, max_tokens=12, stop=("END",)))
     c = store.get(c.id)
     assert c.system == "You are terse." and c.params.top_k == 7 and c.params.stop == ("END",)
+
+
+def test_structured_output_spec_and_grammar_persist_and_reload(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path / "c.sqlite3")
+    c = store.create("m")
+    assert c.output is None and c.params.grammar is None
+    schema = '{"type": "object", "properties": {"answer": {"type": "string"}}}'
+    grammar = Constraint.from_spec({"schema": schema}).grammar
+    store.update_settings(c.id, "", GenerationParams(top_k=7, grammar=grammar), {"schema": schema})
+    store.add_exchange(c.id, "q", '{"answer": "a"}')
+    for again in (ConversationStore(tmp_path / "c.sqlite3").get(c.id), store.list()[0]):
+        assert again.output == {"schema": schema}  # the text as typed, for the dialog
+        assert again.params.grammar == grammar and again.params.top_k == 7
+    # Choices as typed; the grammar is rebuilt from the spec on load, not trusted from the row.
+    store.update_settings(c.id, "", GenerationParams(grammar="start: \"stale\"\n"), {"choice": "yes, no"})
+    again = store.get(c.id)
+    assert again.output == {"choice": "yes, no"}
+    assert again.params.grammar == Constraint.choice(["yes", "no"]).grammar
+    # Settings without a spec clear it.
+    store.update_settings(c.id, "", GenerationParams())
+    again = store.get(c.id)
+    assert again.output is None and again.params.grammar is None
+
+
+def test_an_invalid_stored_spec_falls_back_to_no_constraint(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path / "c.sqlite3")
+    c = store.create("m")
+    for bad in ({"schema": '{"type": "object", "nope": 1}'}, {"choice": 5}, ["not", "a", "spec"]):
+        params = {**GenerationParams(seed=4, grammar='start: "x"\n').to_dict(), "stop": [], "output": bad}
+        with closing(sqlite3.connect(store.path)) as db, db:
+            db.execute("UPDATE conversations SET params = ? WHERE id = ?", (json.dumps(params), c.id))
+        again = store.get(c.id)
+        assert again.output is None and again.params == GenerationParams(seed=4), bad
 
 
 def test_export_markdown_and_delete(tmp_path: Path) -> None:

@@ -207,3 +207,70 @@ async def _test_delete_a_model_with_confirmation(make_app: Any, stories: Path, c
         assert "stories:260k" not in [m.name for m in api.list_models()]
         assert stories.exists()  # added in place: the file is not ours to delete
         assert ("information", "Deleted stories:260k") in app.notices
+
+
+async def open_settings(pilot: Any) -> Any:
+    await pilot.press("ctrl+s")
+    await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "SettingsScreen", "the settings dialog")
+    return pilot.app.screen
+
+
+async def choose_output(pilot: Any, dialog: Any, label: str, text: str) -> None:
+    """Pick a structured-output kind in the dialog's Select, by keys, and type its text."""
+    select = dialog.query_one("#set-output")
+    await pilot.click("#set-output")
+    await wait_for(pilot, lambda: select.expanded, "the structured-output list to open")
+    await pilot.press("home")
+    labels = ["none", "JSON object", "JSON schema", "GBNF grammar", "choice"]
+    await pilot.press(*["down"] * labels.index(label), "enter")
+    await wait_for(pilot, lambda: dialog.query_one("#output-text").display, "the text box for the spec")
+    await pilot.click("#output-text")
+    await pilot.press(*text)
+
+
+def test_settings_choice_constrains_the_next_reply(make_app: Any, starter: Path) -> None:
+    asyncio.run(_test_settings_choice_constrains_the_next_reply(make_app, starter))
+
+
+async def _test_settings_choice_constrains_the_next_reply(make_app: Any, starter: Path) -> None:
+    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=24))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_starter_chat(pilot)
+        dialog = await open_settings(pilot)
+        await choose_output(pilot, dialog, "choice", "yes,no")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen, "the dialog to close")
+        assert screen.conversation is not None
+        stored = app.conversations.get(screen.conversation.id)
+        assert stored.output == {"choice": "yes,no"} and stored.params.grammar
+        assert "output: choice" in screen.status.text()
+        await ask(pilot, QUESTION)  # unconstrained, the model answers "cold"
+        reply = app.conversations.get(stored.id).turns[-1]
+        assert reply.role == "assistant" and reply.content in ("yes", "no"), reply.content
+        assert reply.stats["finish_reason"] == "stop"
+        # The dialog shows the spec as typed next time.
+        dialog = await open_settings(pilot)
+        assert dialog.query_one("#set-output").value == "choice"
+        assert dialog.query_one("#output-text").text == "yes,no"
+
+
+def test_settings_refuse_an_invalid_schema_and_stay_open(make_app: Any, starter: Path) -> None:
+    asyncio.run(_test_settings_refuse_an_invalid_schema_and_stay_open(make_app, starter))
+
+
+async def _test_settings_refuse_an_invalid_schema_and_stay_open(make_app: Any, starter: Path) -> None:
+    app = make_app(model="smollm2:135m")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None, "the chat")
+        screen = chat(app)
+        dialog = await open_settings(pilot)
+        await choose_output(pilot, dialog, "JSON schema", '{"type": "object", "oneof": []}')
+        error = dialog.query_one("#settings-error")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: str(error.render()).strip() != "", "the error in the dialog")
+        assert "unsupported JSON Schema keyword 'oneof'" in str(error.render())
+        assert app.screen is dialog  # still open, the text kept to fix
+        assert dialog.query_one("#output-text").text == '{"type": "object", "oneof": []}'
+        assert screen.conversation is not None
+        stored = app.conversations.get(screen.conversation.id)
+        assert stored.output is None and stored.params.grammar is None

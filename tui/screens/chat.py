@@ -19,7 +19,7 @@ from localrun.errors import EngineCrashedError, LocalrunError
 from localrun.generation import GenerationParams
 from tui.conversations import Conversation
 from tui.messages import ReplyDone, ReplyFailed, ReplyText
-from tui.screens.dialogs import ConversationsScreen, SettingsScreen
+from tui.screens.dialogs import ChatSettings, ConversationsScreen, SettingsScreen, output_label
 from tui.widgets.chat import AssistantMessage, StatusBar, UserMessage
 from tui.widgets.navbar import NavBar
 
@@ -104,7 +104,7 @@ class ChatScreen(Screen[None]):
         last = next((t.stats for t in reversed(conv.turns) if t.role == "assistant"), {})
         used = int(last.get("prompt_tokens", 0)) + int(last.get("completion_tokens", 0))
         self.status.show(model=conv.model, state="ready", tokens_per_second=None, context_used=used,
-                        context_length=self._context_length(conv.model))
+                        context_length=self._context_length(conv.model), output=output_label(conv.output))
         self.sub_title = conv.title
 
     def _context_length(self, model: str) -> int | None:
@@ -288,16 +288,16 @@ class ChatScreen(Screen[None]):
             self.notify("Open a model or a conversation first", severity="warning")
             return
 
-        def done(result: tuple[str, GenerationParams] | None) -> None:
+        def done(result: ChatSettings | None) -> None:
             if result is None or self.conversation is None:
                 return
-            system, params = result
             store: Any = self.app.conversations  # type: ignore[attr-defined]
-            store.update_settings(self.conversation.id, system, params)
+            store.update_settings(self.conversation.id, result.system, result.params, result.output)
             self.conversation = store.get(self.conversation.id)
+            self.status.show(output=output_label(self.conversation.output))
             self.notify("Settings saved for this conversation")
 
-        self.app.push_screen(SettingsScreen(conv.system, conv.params), done)
+        self.app.push_screen(SettingsScreen(conv.system, conv.params, conv.output), done)
 
     def action_conversations(self) -> None:
         store: Any = self.app.conversations  # type: ignore[attr-defined]

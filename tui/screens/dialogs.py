@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
+from textual.widget import Widget
+from textual.widgets import Button, Input, Label, OptionList, Select, Static, TextArea
 from textual.widgets.option_list import Option
 
+from localrun import api
 from localrun.errors import LocalrunError
 from localrun.generation import GenerationParams
 from tui.conversations import Conversation
@@ -81,7 +88,7 @@ Library   Enter   chat with the highlighted model
 
 Chat      Enter   send                  Esc     stop (nothing is kept)
           Ctrl+R  regenerate last reply Ctrl+Y  copy the last reply
-          Ctrl+S  system prompt and sampling settings of this chat
+          Ctrl+S  system prompt, sampling, structured output of this chat
           Ctrl+O  saved conversations   Ctrl+N  new conversation
           Ctrl+E  export the conversation to Markdown
 
@@ -117,37 +124,115 @@ _FIELDS = (
 )
 
 
-class SettingsScreen(ModalScreen[tuple[str, GenerationParams] | None]):
-    """The conversation's system prompt and sampling settings; `Ctrl+S` saves, `Esc` cancels."""
+# Structured output: the dialog's kinds, their labels, and what the text box holds for each.
+OUTPUT_KINDS = {"none": "none", "json": "JSON object", "schema": "JSON schema", "grammar": "GBNF grammar",
+                "choice": "choice"}
+_OUTPUT_PLACEHOLDERS = {
+    "schema": 'A JSON schema, e.g. {"type": "object", "properties": {"answer": {"type": "string"}}}',
+    "grammar": 'A GBNF grammar, e.g. root ::= "yes" | "no"',
+    "choice": "The choices, separated by commas, e.g. yes,no",
+}
+
+
+def output_kind(spec: Mapping[str, Any] | None) -> tuple[str, str]:
+    """The dialog's kind and text for a structured-output spec (see `Constraint.from_spec`)."""
+    if not spec:
+        return "none", ""
+    if spec.get("format") == "json":
+        return "json", ""
+    schema = spec.get("schema")
+    if schema is not None:
+        return "schema", schema if isinstance(schema, str) else json.dumps(schema, indent=2)
+    for key in ("grammar", "choice"):
+        value = spec.get(key)
+        if isinstance(value, str):
+            return key, value
+        if isinstance(value, list):  # choices as to_spec gives them
+            return key, ",".join(map(str, value))
+    return "none", ""
+
+
+def output_label(spec: Mapping[str, Any] | None) -> str | None:
+    """The structured output a spec asks for, in words (None when there is none)."""
+    kind, _ = output_kind(spec)
+    return None if kind == "none" else OUTPUT_KINDS[kind]
+
+
+def output_spec(kind: str, text: str) -> dict[str, Any] | None:
+    """The structured-output spec for the dialog's kind and text, as the user typed it."""
+    if kind == "none":
+        return None
+    if kind == "json":
+        return {"format": "json"}
+    return {kind: text}
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What the settings dialog saves: the system prompt, sampling and structured output."""
+
+    system: str
+    params: GenerationParams
+    output: dict[str, Any] | None = None  # the spec; params.grammar is its grammar
+
+
+class SettingsScreen(ModalScreen[ChatSettings | None]):
+    """A chat's system prompt, sampling and structured output; `Ctrl+S` saves, `Esc` cancels."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system: str, params: GenerationParams) -> None:
+    def __init__(self, system: str, params: GenerationParams, output: Mapping[str, Any] | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.system = system
         self.params = params
+        self.kind, text = output_kind(output)
+        self.texts = {self.kind: text}  # what was typed per kind, kept while switching
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog settings"):
-            yield Label("System prompt")
-            yield TextArea(self.system, id="system-prompt", soft_wrap=True, show_line_numbers=False)
-            with Grid(id="settings-grid"):
-                for key, title, _ in _FIELDS:
-                    value = getattr(self.params, key)
-                    yield Label(title)
-                    yield Input("" if value is None else str(value), id=f"set-{key}", compact=True,
-                                placeholder="default" if key in ("max_tokens", "seed") else "")
-            yield Static("", id="settings-error", markup=False)
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Save (^S)", variant="primary", id="save")
-                yield Button("Cancel (Esc)", id="cancel")
+            with Vertical(id="settings-body"):
+                yield Label("System prompt")
+                yield TextArea(self.system, id="system-prompt", soft_wrap=True, show_line_numbers=False)
+                with Grid(id="settings-grid"):
+                    for key, title, _ in _FIELDS:
+                        value = getattr(self.params, key)
+                        yield Label(title)
+                        yield Input("" if value is None else str(value), id=f"set-{key}", compact=True,
+                                    placeholder="default" if key in ("max_tokens", "seed") else "")
+                    yield Label("Structured output")
+                    yield Select([(label, kind) for kind, label in OUTPUT_KINDS.items()], value=self.kind,
+                                 allow_blank=False, compact=True, id="set-output")
+                text = TextArea(self.texts[self.kind], id="output-text", soft_wrap=True, show_line_numbers=False,
+                                placeholder=_OUTPUT_PLACEHOLDERS.get(self.kind, ""))
+                text.display = self.kind in _OUTPUT_PLACEHOLDERS
+                yield text
+            with Vertical(id="settings-foot"):  # docked: the error and the buttons stay in view
+                yield Static("", id="settings-error", markup=False)
+                with Horizontal(classes="dialog-buttons"):
+                    yield Button("Save (^S)", variant="primary", id="save")
+                    yield Button("Cancel (Esc)", id="cancel")
+
+    @on(Select.Changed, "#set-output")
+    def _output_changed(self, event: Select.Changed) -> None:
+        kind = str(event.value)
+        if kind == self.kind:
+            return
+        text = self.query_one("#output-text", TextArea)
+        self.texts[self.kind] = text.text
+        self.kind = kind
+        text.load_text(self.texts.get(kind, ""))
+        text.placeholder = _OUTPUT_PLACEHOLDERS.get(kind, "")
+        text.display = kind in _OUTPUT_PLACEHOLDERS
+        self.query_one("#settings-error", Static).update("")
 
     @on(Button.Pressed, "#save")
     def action_save(self) -> None:
         values: dict[str, object] = {}
+        field: Widget | None = None  # the field being read, brought into view when it is refused
         try:
             for key, title, kind in _FIELDS:
-                raw = self.query_one(f"#set-{key}", Input).value.strip()
+                field = self.query_one(f"#set-{key}", Input)
+                raw = field.value.strip()
                 if not raw:
                     if key in ("max_tokens", "seed"):
                         values[key] = None
@@ -156,11 +241,19 @@ class SettingsScreen(ModalScreen[tuple[str, GenerationParams] | None]):
                     values[key] = kind(raw)
                 except ValueError:
                     raise LocalrunError(f"{title}: {raw!r} is not a number") from None
+            field = self.query_one("#output-text", TextArea)
+            spec = output_spec(self.kind, field.text)
+            constraint = api.constraint(spec, "structured output") if spec is not None else None
+            values["grammar"] = constraint.grammar if constraint is not None else None
+            values["grammar_trigger"] = None
+            field = None
             params = GenerationParams(**{**self.params.to_dict(), **values})  # type: ignore[arg-type]
         except LocalrunError as e:
             self.query_one("#settings-error", Static).update(str(e))
+            if field is not None:  # once the error has taken its room
+                self.call_after_refresh(field.scroll_visible, animate=False)
             return
-        self.dismiss((self.query_one("#system-prompt", TextArea).text, params))
+        self.dismiss(ChatSettings(self.query_one("#system-prompt", TextArea).text, params, spec))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

@@ -24,7 +24,7 @@ class AssistantMessage(Markdown):
 
 
 class StatusBar(Static):
-    """Model, state, speed and context use of the chat."""
+    """Model, state, speed, structured output and context use of the chat."""
 
     def __init__(self) -> None:
         super().__init__("", id="chat-status", markup=False)
@@ -33,6 +33,7 @@ class StatusBar(Static):
         self.tokens_per_second: float | None = None
         self.context_used = 0
         self.context_length: int | None = None
+        self.output: str | None = None  # the structured output replies must follow, if any
 
     def show(self, **fields: Any) -> None:
         for key, value in fields.items():
@@ -43,6 +44,8 @@ class StatusBar(Static):
         parts = [self.model or "no model", self.state]
         if self.tokens_per_second:
             parts.append(f"{self.tokens_per_second:.1f} tok/s")
+        if self.output:
+            parts.append(f"output: {self.output}")
         ctx = f"/{self.context_length}" if self.context_length else ""
         parts.append(f"ctx {self.context_used}{ctx}")
         return " │ ".join(parts)
