@@ -196,6 +196,35 @@ def read_input(path: str, defaults: GenerationParams, system: str | None = None,
     return rows
 
 
+def with_tools(rows: list[BatchRow], params: GenerationParams, plan: Any) -> list[BatchRow]:
+    """Rows with the tools in their prompts and the call grammar in their settings; a raw row,
+    which has no chat template to describe tools, becomes an error row."""
+    import dataclasses
+
+    out = []
+    for r in rows:
+        if r.request is None:
+            out.append(r)
+        elif r.request.prompt is not None:
+            out.append(dataclasses.replace(r, request=None, error=f"line {r.line}: tools need a chat row, not --raw"))
+        else:
+            try:
+                out.append(dataclasses.replace(r, request=plan.request(r.request.messages),
+                                               params=plan.params(r.params) if r.params is not None else None))
+            except LocalrunError as e:
+                out.append(dataclasses.replace(r, request=None, error=f"line {r.line}: {e}"))
+    return out
+
+
+def with_calls(record: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """A result record with the reply's tool calls parsed out of its text (OpenAI's shape)."""
+    content, calls = plan.parse(record.get("text", ""))
+    out = {**record, "text": content, "tool_calls": [c.to_openai() for c in calls]}
+    if calls:
+        out["finish_reason"] = "tool_calls"
+    return out
+
+
 TEMPLATE_MARGIN = 256  # tokens a chat template may add around the messages (headers, default system prompts)
 
 
@@ -211,6 +240,7 @@ def sequence_length(rows: list[BatchRow], params: GenerationParams, limit: int) 
         if budget is None:
             return limit
         text = r.request.prompt if r.request.prompt is not None else "".join(m.content for m in r.request.messages)
+        text += json.dumps(list(r.request.tools)) if r.request.tools else ""
         need = max(need, len(text.encode("utf-8")) + TEMPLATE_MARGIN + budget)
     return min(limit, max(256, -(-need // 256) * 256))
 

@@ -14,9 +14,11 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_tool_flags,
     int_in,
     load_options_from_args,
     params_from_args,
+    tool_plan_from_args,
 )
 
 DEFAULT_PARALLEL = 16
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="complete prompts as plain text, without the chat template")
     add_generation_flags(p)
     add_constraint_flags(p, format_flag=False)
+    add_tool_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_batch)
 
@@ -69,6 +72,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         report.summary()
         return 0
     model = api.get_model(args.model)
+    plan = tool_plan_from_args(args, model)
+    if plan is not None:
+        rows, params = batching.with_tools(rows, params, plan), plan.params(params)
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
         limit = min(model.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
@@ -78,6 +84,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     previous = _on_ctrl_c(cancel)
     try:
         for record in api.batch(session, rows, params, cancel=cancel, progress=report.progress):
+            if plan is not None and "text" in record:
+                record = batching.with_calls(record, plan)
             writer.write(record)
             report.row(record)
     finally:

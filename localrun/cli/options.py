@@ -88,6 +88,35 @@ def constraint_from_args(args: argparse.Namespace) -> Any:
     return None
 
 
+def add_tool_flags(p: argparse.ArgumentParser) -> None:
+    """Tool calling: the tools (OpenAI's JSON shape) and whether the model must call one."""
+    g = p.add_argument_group("tools")
+    g.add_argument("--tools", metavar="FILE",
+                   help='a JSON file with a list of tools ([{"type": "function", "function": {"name", "description", "parameters"}}])')
+    g.add_argument("--tool-choice", default=None, metavar="auto|required|none|NAME",
+                   help="auto (default): the model decides; required: it must call a tool; NAME: it must call that one")
+
+
+def tool_plan_from_args(args: argparse.Namespace, model: Any) -> Any:
+    """The ToolPlan for --tools on this model, or None."""
+    import json
+
+    from localrun import api
+    from localrun.constraint import read_text_or_file
+    from localrun.errors import UsageError
+    from localrun.tools import ToolPlan
+
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise UsageError("--tool-choice needs --tools")
+        return None
+    try:
+        tools = json.loads(read_text_or_file(args.tools, "--tools"))
+    except ValueError as e:
+        raise UsageError(f"--tools: not JSON ({e})", "give a JSON list of tools, or the path of a file with one") from e
+    return ToolPlan.make(api.chat_template(model), tools, args.tool_choice)
+
+
 def add_load_flags(p: argparse.ArgumentParser) -> None:
     """Engine loading flags."""
     g = p.add_argument_group("engine")

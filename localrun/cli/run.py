@@ -11,8 +11,10 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_tool_flags,
     load_options_from_args,
     params_from_args,
+    tool_plan_from_args,
 )
 
 
@@ -25,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed on stderr")
     add_generation_flags(p)
     add_constraint_flags(p)
+    add_tool_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_run)
 
@@ -45,7 +48,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty", "pass a prompt, or '-' to read it from stdin")
     if prompt is None and args.json:
         raise UsageError("--json needs a prompt", "pass a prompt, or '-' to read it from stdin")
+    if args.tools is not None and not (args.json and prompt is not None and not args.raw):
+        raise UsageError("--tools needs --json and a chat prompt", "the reply's tool calls come back in the JSON")
     model = api.get_model(args.model)
+    plan = tool_plan_from_args(args, model)
     session = api.load(model, options, engine=args.engine)
     if args.verbose:
         i = session.info()
@@ -55,12 +61,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if prompt is None:
             return _interactive(session, model.name, args, params)
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
-        return _answer(session, model.name, request, params, args)
+        if plan is not None:
+            request, params = plan.request(request.messages), plan.params(params)
+        return _answer(session, model.name, request, params, args, plan)
     finally:
         session.close()
 
 
-def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.Namespace) -> int:
+def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.Namespace, plan: Any = None) -> int:
     from localrun import api
 
     parts: list[str] = []
@@ -78,6 +86,12 @@ def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.N
     text = "".join(parts)
     if args.json:
         record = {"model": name, "text": text, **_stats(last)}
+        if plan is not None:
+            content, calls = plan.parse(text)
+            record["text"] = content
+            record["tool_calls"] = [c.to_openai() for c in calls]
+            if calls:
+                record["finish_reason"] = "tool_calls"
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     elif not text.endswith("\n"):
         out.write("\n")
