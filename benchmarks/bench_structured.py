@@ -185,7 +185,7 @@ def main() -> None:
             ("llama-cpp-python create_chat_completion, schema", "high-level")]
     for label, k in rows:
         print(f"| {label:47} | {med[k]:7.1f} | {share[k] * 100:5.0f}% | {med['constrained'] / med[k]:5.2f}x |")
-    same = statistics.median(sum(f[1]) / sum(c[1]) for c, f in zip(results["constrained"], results["free"]))
+    same = statistics.median(sum(f[1]) / sum(c[1]) for c, f in zip(results["constrained"], results["free"], strict=True))
     print(f"\nconstrained / unconstrained: {med['constrained'] / med['free']:.3f}x (target >= 0.9); "
           f"the unconstrained rows generated {same * 100:.0f}% of the constrained rows' tokens")
     print(f"constrained / llama-cpp-python high-level: {med['constrained'] / med['high-level']:.2f}x")

@@ -127,3 +127,30 @@ def test_supported_schema_coverage_compiles() -> None:
     assert Constraint.from_spec({"format": "json"}).kind == "json"
     with pytest.raises(UsageError, match="one of"):
         Constraint.from_spec({"schema": {}, "grammar": "root ::= \"a\""})
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                             "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}}]
+
+
+def test_tools_on_run_and_batch(cli: Any, starter: Path, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    res = cli("run", str(starter), "Weather in Oslo?", "--tools", str(tools), "--tool-choice", "required", "--json")
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(res.stdout)
+    assert rec["finish_reason"] == "tool_calls" and rec["tool_calls"][0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(rec["tool_calls"][0]["function"]["arguments"]), WEATHER)
+    res = cli("run", str(starter), "Weather in Oslo?", "--tools", str(tools))
+    assert res.returncode == 2 and "--json" in res.stderr
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"Weather in {c}?", "seed": i}) + "\n"
+                           for i, c in enumerate(["Rome", "Lima", "Kyiv", "Pune"])))
+    out = tmp_path / "out.jsonl"
+    res = cli("batch", str(starter), "-i", str(src), "-o", str(out), "--tools", str(tools), "--tool-choice", "required")
+    assert res.returncode == 0, res.stderr
+    for rec in map(json.loads, out.read_text().splitlines()):
+        assert rec["finish_reason"] == "tool_calls", rec
+        jsonschema.validate(json.loads(rec["tool_calls"][0]["function"]["arguments"]), WEATHER)

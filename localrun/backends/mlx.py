@@ -252,7 +252,7 @@ class MLXEngine:
     def special_id(self, text: str) -> int | None:
         """The id of the added (special) token spelled `text`, if the tokenizer has one."""
         hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        added = getattr(hf, "get_added_vocab", lambda: {})()
+        added: dict[str, int] = getattr(hf, "get_added_vocab", dict)()
         tid = added.get(text)
         return int(tid) if tid is not None else None
 

@@ -245,3 +245,17 @@ def test_constrained_greedy_agrees_across_engines(sessions: Any) -> None:
     params = GenerationParams(temperature=0, max_tokens=60, grammar=c.grammar)
     texts = {e: collect(sessions(e, "plain"), Request.raw("Lily and Tom went to the park"), params)[0] for e in ENGINES}
     assert len(set(texts.values())) == 1, texts
+
+
+def test_lazy_grammar_applies_from_its_trigger(plain: Any) -> None:
+    """A lazy grammar (tool calls under "auto") leaves the text free until its trigger, then holds."""
+    import re
+
+    from localrun.constraint import Constraint
+
+    lark = 'start: "Lily" " is " /[0-9]{2}/ "."\n'
+    Constraint("lark", lark)  # the grammar itself is plain Lark
+    text, last, _ = collect(plain, Request.raw("Once upon a time"),
+                            GenerationParams(temperature=0, max_tokens=80, grammar=lark, grammar_trigger="Lily"))
+    assert last.finish_reason == "stop", text
+    assert re.fullmatch(r"(?s)(?:(?!Lily).)+Lily is [0-9]{2}\.", text), text
