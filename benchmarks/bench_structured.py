@@ -11,7 +11,10 @@ Three measurements, in the same run, alternating, medians reported:
 2. llama-cpp-python's high-level loop, `Llama.create_chat_completion(response_format={"type":
    "json_object", "schema": ...})`, row after row, with the same threads and settings, in its own
    process. Target for localrun: 100% of outputs validate.
-3. Why llguidance: the per-token cost of computing the grammar's token mask over the whole
+3. Tool calls under tool_choice "required" through each server with openai-python, on the same
+   prompts: localrun serve against llama.cpp's llama-server --jinja (built by llama_tools.py): the
+   share of replies that carry a call whose arguments validate against the function's schema.
+4. Why llguidance: the per-token cost of computing the grammar's token mask over the whole
    vocabulary on the same schema, llguidance against llama.cpp's own grammar sampler
    (llama_sampler_init_grammar, the schema converted by llama-cpp-python's json_schema_to_gbnf).
 """
@@ -99,6 +102,48 @@ def high_level_round(path: str, n: int, tokens: int, threads: int) -> tuple[floa
     return r["tokens"] / r["seconds"], r["tokens"], sum(map(valid, r["texts"])) / n
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                        "parameters": {"type": "object", "properties": {
+                                            "city": {"type": "string", "maxLength": 30},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                            "required": ["city", "unit"]}}}
+CITIES = ["Paris", "Oslo", "Lima", "Kyiv", "Pune", "Rome", "Cairo", "Quito"]
+
+
+def tool_call_share(name: str, model: Any, n: int, threads: int) -> float:
+    """Share of n tool_choice=required replies from a server that carry a call that validates."""
+    import jsonschema
+    import openai
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from bench_serve import Config, Server
+
+    cfg = Config(model=model.name, path=model.path, tokens=96, clients=[1], requests_per_client=1, ctx=2048,
+                 threads=threads, flash_attn="auto", gpu_layers=None, parallel=1, ready_timeout=600)
+    server = Server(name, cfg)
+    if name == "llama-server":
+        server.cmd = [*server.cmd, "--jinja"]
+    good = 0
+    with server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for i in range(n):
+            try:
+                res = client.chat.completions.create(
+                    model=model.name, messages=[{"role": "user", "content": f"What is the weather in {CITIES[i % 8]}?"}],
+                    tools=[TOOL], tool_choice="required", max_tokens=96, temperature=0.7, seed=i)
+            except openai.APIError as e:
+                print(f"{name}: {e}", file=sys.stderr)
+                continue
+            for call in res.choices[0].message.tool_calls or []:
+                try:
+                    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+                    good += call.function.name == "get_weather"
+                    break
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+    return good / n
+
+
 def mask_costs(path: str, text: str) -> tuple[float, float]:
     """Median ms per token to compute the mask over the vocabulary: llguidance, llama.cpp's grammar."""
     import ctypes
@@ -177,6 +222,7 @@ def main() -> None:
     example = json.dumps({"name": "Ann Lee", "email": "ann@example.com", "age": 20, "plan": "pro",
                           "interests": ["hiking", "chess"], "address": {"city": "Springfield", "zip": "40000"}})
     llg_ms, native_ms = mask_costs(model.path, example)
+    calls = {name: tool_call_share(name, model, args.rows, threads) for name in ("localrun", "llama-server")}
     print(f"\nstructured output, {args.rows} rows x up to {args.tokens} tokens, {threads} threads, "
           f"median of {args.rounds} rounds ({model.name})\n")
     print(f"| {'run':47} | {'tok/s':>7} | {'valid':>6} | {'ratio':>6} |")
@@ -190,6 +236,8 @@ def main() -> None:
           f"the unconstrained rows generated {same * 100:.0f}% of the constrained rows' tokens")
     print(f"constrained / llama-cpp-python high-level: {med['constrained'] / med['high-level']:.2f}x")
     print(f"valid outputs, localrun constrained: {share['constrained'] * 100:.0f}% (target 100%)")
+    print(f"tool_choice required, {args.rows} requests: valid calls from localrun serve {calls['localrun'] * 100:.0f}%, "
+          f"from llama-server --jinja {calls['llama-server'] * 100:.0f}%")
     print(f"token mask per step, this schema, {model.name}'s vocabulary: llguidance {llg_ms:.3f} ms, "
           f"llama.cpp grammar sampler {native_ms:.3f} ms ({native_ms / llg_ms:.0f}x)")
 
