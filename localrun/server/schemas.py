@@ -144,6 +144,7 @@ class CompletionRequest(Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     def prompts(self) -> list[str]:
         return _texts(self.prompt, "prompt")
@@ -153,7 +154,9 @@ class CompletionRequest(Sampling):
             raise UsageError("suffix (fill-in-the-middle) is not supported yet", "send the request without suffix")
         if self.best_of not in (None, 1, self.n):
             raise UsageError("best_of is not supported", "use n to get several completions")
-        return self.params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+        params = self.params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+        constraint = response_constraint(self.response_format)  # an extension, as llama-server has
+        return replace(params, grammar=constraint.grammar) if constraint is not None else params
 
 
 class EmbeddingRequest(_Body):

@@ -79,3 +79,13 @@ def test_bad_constraints_are_400_naming_the_problem(served: Served) -> None:
     with pytest.raises(ollama.ResponseError, match="not") as e:
         served.ollama().chat(model=MODEL, messages=ASK, format={"type": "object", "not": {"required": ["a"]}})
     assert e.value.status_code == 400
+
+
+def test_text_completion_takes_response_format_too(served: Served) -> None:
+    with served.http() as http:
+        res = http.post("/v1/completions", json={"model": MODEL, "prompt": "Is the sun hot? Answer:", "max_tokens": 40,
+                                                 "response_format": {"type": "json_schema", "json_schema": {
+                                                     "name": "a", "schema": {"type": "object", "properties": {
+                                                         "hot": {"type": "boolean"}}, "required": ["hot"]}}}})
+    assert res.status_code == 200
+    assert isinstance(json.loads(res.json()["choices"][0]["text"])["hot"], bool)
