@@ -29,7 +29,7 @@ LLAMA_CPP: dict[str, F] = {
 }
 ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}
 # llama.cpp refuses these without an importance matrix.
-NEEDS_IMATRIX = {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "q2_k_s"}
+NEEDS_IMATRIX = {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "q2_k_s"}  # llama.cpp refuses these without one
 
 # Main tensor type of each llama.cpp file type, for size estimates only.
 _MAIN_TYPE: dict[str, Q] = {

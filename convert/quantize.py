@@ -73,9 +73,10 @@ def quantize_file(
         proc.wait()
         raise
     if rc != 0:
+        # llama.cpp's own reason ("... requires an imatrix!") says more than the worker's exit line.
         detail = next(
-            (t for t in reversed(tail) if "error" in t.lower() or "requires" in t.lower()),
-            tail[-1] if tail else f"exit status {rc}",
+            (t for t in reversed(tail) if "requires" in t.lower() or "failed to quantize" in t.lower()),
+            next((t for t in reversed(tail) if "error" in t.lower()), tail[-1] if tail else f"exit status {rc}"),
         )
         raise ConvertError(
             f"llama.cpp could not quantize to {outtype}: {detail.strip()}",
