@@ -473,3 +473,104 @@ def batch(
     parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(r, i, params, system)
               for i, r in enumerate(rows, 1)]
     return batching.generate(session, parsed, params, cancel, progress)
+
+
+def quantize_ladder(
+    source: str | os.PathLike[str],
+    types: list[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    imatrix: str | None = "auto",
+    calibration: str | os.PathLike[str] | None = None,
+    text: str | os.PathLike[str] | None = None,
+    budget: float | None = None,
+    name: str | None = None,
+    n_ctx: int = 512,
+    chunks: int | None = None,
+    bench: tuple[int, int, int] = (512, 128, 3),
+    threads: int | None = None,
+    progress: Any = None,
+) -> Any:
+    """Quantize SOURCE to every type in `types`, measure each rung and register it.
+
+    Args:
+        source: a Hugging Face checkpoint folder (converted to F16 once) or a 16/32-bit GGUF.
+        types: llama.cpp types, e.g. ["q8_0", "q6_k", "q4_k_m", "iq4_xs"].
+        out_dir: where the rungs, the reference, the imatrix and the report go (default: beside
+            the source, `<name>-ladder/`).
+        imatrix: "auto" (computed once from `calibration`, or localrun's default set), a file, or None.
+        text: the evaluation text (default: localrun's held-out set, see ladder.default_text).
+        budget: the mean KLD the recommended rung may lose (default ladder.DEFAULT_BUDGET).
+        name: the store family of the rungs (`name:q4_k_m`; default from the source).
+        bench: (prompt tokens, generated tokens, repetitions) of each rung's speed test.
+        progress: called with a line of text at each step.
+
+    Returns:
+        ladder.Ladder, whose report is written to out_dir as report.md and report.json.
+    """
+    from pathlib import Path as _P
+
+    from localrun import ladder as lad
+    from localrun.backends.llama_bench import BenchSpec, run_bench_isolated, summary
+    from localrun.backends.llama_eval import evaluate_in_worker
+    from localrun.backends.llama_imatrix import compute_imatrix
+    from localrun.store import name_from_filename
+
+    src = _P(source).expanduser().resolve()
+    if not src.exists():
+        raise UsageError(f"{src} does not exist", "pass a Hugging Face checkpoint folder or an F16/BF16 GGUF")
+    family = (name or name_from_filename(src).split(":")[0]).split(":")[0]
+    out = _P(out_dir) if out_dir is not None else src.parent / f"{src.stem if src.is_file() else src.name}-ladder"
+    out.mkdir(parents=True, exist_ok=True)
+    if text is None:
+        body, description = lad.default_text()
+        text_path = out / "eval-text.txt"
+        if not text_path.exists() or text_path.read_text(encoding="utf-8") != body:
+            text_path.write_text(body, encoding="utf-8")
+        if progress:
+            progress(f"evaluation text: {description}")
+    else:
+        text_path = _P(text)
+    cal = _P(calibration) if calibration is not None else None
+    pp, tg, reps = bench
+
+    def convert_step(s: _P, ref: _P) -> _P:
+        return _P(convert_checkpoint(s, ref, outtype="f16").path)
+
+    def quantize_step(ref: _P, dst: _P, t: str, im: _P | None) -> None:
+        import convert
+
+        try:
+            convert.quantize(ref, dst, t, imatrix=im, force=True, threads=threads)
+        except convert.ConvertError as e:
+            raise ConversionError(e.message, e.hint) from e
+
+    def evaluate_step(rung: _P, ref: _P, txt: _P) -> dict[str, float]:
+        r = evaluate_in_worker(rung, txt, ref, n_ctx=n_ctx, chunks=chunks, threads=threads)
+        d = r.divergence
+        assert d is not None
+        return {"ppl": r.ppl, "ppl_reference": d.ppl_reference, "kld_mean": d.kld_mean, "kld_median": d.kld_median,
+                "kld_p99": d.kld_p99, "kld_max": d.kld_max, "top_agreement": d.same_top, "rms_dp": d.dp_rms}
+
+    def bench_step(rung: _P) -> tuple[float, float]:
+        kw: dict[str, Any] = {"n_threads": (threads,)} if threads else {}
+        spec = BenchSpec(models=(str(rung),), n_prompt=(pp,), n_gen=(tg,), repetitions=reps, **kw)
+        s = summary(run_bench_isolated(spec))
+        return s.get(f"pp{pp}", 0.0), s.get(f"tg{tg}", 0.0)
+
+    def register_step(rung: _P, t: str) -> str:
+        return add_model(rung, name=f"{family}:{t}", replace=True).name
+
+    steps = lad.Steps(
+        convert=convert_step,
+        imatrix=lambda ref, dst, c: compute_imatrix(ref, c, dst, threads=threads).dataset,
+        quantize=quantize_step,
+        evaluate=evaluate_step,
+        bench=bench_step,
+        register=register_step,
+        provenance=lad.add_metadata,
+    )
+    result = lad.run(src, [t.strip().lower() for t in types if t.strip()], out, text_path, steps, imatrix=imatrix,
+                     calibration=cal, budget=lad.DEFAULT_BUDGET if budget is None else budget, progress=progress)
+    lad.write_report(result, out)
+    return result

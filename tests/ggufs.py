@@ -58,3 +58,31 @@ def without_byte_tokens(src: Path, dst: Path) -> Path:
         return value
 
     return rewrite_gguf(src, dst, edit)
+
+
+def dequantize_to_f16(src: Path, dst: Path) -> Path:
+    """An F16 GGUF of a quantized one (1-D tensors stay F32): a 16-bit reference whose weights
+    are exactly the quantized model's, for quantization tests on a real trained model."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key == "general.file_type":
+            writer.add_uint32(key, int(gguf.LlamaFileType.MOSTLY_F16))
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), kind)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        writer.add_tensor(t.name, values.astype(np.float16) if values.ndim > 1 else values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

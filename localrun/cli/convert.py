@@ -52,11 +52,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         "quantize", help="re-quantize a GGUF file with llama.cpp", description=cmd_quantize.__doc__
     )
     p.add_argument(
-        "input", metavar="IN.gguf", help="GGUF file to quantize (F32/F16/BF16 for best quality)"
+        "input", metavar="IN", help="GGUF file to quantize (F32/F16/BF16 for best quality); with --ladder "
+        "also a Hugging Face checkpoint folder"
     )
-    p.add_argument("type", metavar="TYPE", help="q8_0, q4_k_m, q5_k_m, q6_k, iq4_xs, ...")
-    p.add_argument("-o", "--output", metavar="OUT", help="output .gguf (default: IN-TYPE.gguf)")
-    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (needed by iq1/iq2 types)")
+    p.add_argument("type", metavar="TYPE", nargs="?", help="q8_0, q4_k_m, q5_k_m, q6_k, iq4_xs, ...")
+    p.add_argument("-o", "--output", metavar="OUT", help="output .gguf (default: IN-TYPE.gguf); "
+                   "with --ladder the folder for the rungs and the report (default: IN-ladder/)")
+    p.add_argument("--imatrix", metavar="FILE", help="importance matrix (needed by iq1/iq2/iq3_xxs types); "
+                   "with --ladder also auto (the default: computed once) or none")
+    g = p.add_argument_group("ladder (many types, each measured)")
+    g.add_argument("--ladder", metavar="T1,T2,...", help="quantize to each type, evaluate each against the 16-bit "
+                   "source (perplexity, KL divergence, top-token agreement), benchmark it, and report")
+    g.add_argument("--calibration", metavar="FILE", help="text for the importance matrix (default: localrun's set)")
+    g.add_argument("--text", metavar="FILE", help="evaluation text (default: localrun's held-out set)")
+    g.add_argument("--max-kld", type=float, default=None, metavar="X",
+                   help="the mean KLD the recommended rung may lose (default 0.05)")
+    g.add_argument("--ctx", type=int, default=512, help="evaluation context per chunk (default 512)")
+    g.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks")
+    g.add_argument("--bench", default="512,128,3", metavar="P,N,R",
+                   help="speed test of each rung: prompt tokens, generated tokens, repetitions (default 512,128,3)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core up to 4)")
     p.add_argument("--name", help="name in the model store (default: from the file name)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.add_argument(
@@ -131,6 +146,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     The output is written under a temporary name and renamed when complete, then registered in the
     model store and its path printed.
     """
+    if args.ladder is not None:
+        return _ladder(args)
+    if args.type is None:
+        raise UsageError("quantize needs a TYPE, or --ladder T1,T2,...", "e.g. localrun quantize model-F16.gguf q4_k_m")
     convert = _convert_module()
     try:
         out = convert.quantize(
@@ -146,4 +165,25 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if not args.no_register:
         _register(out, args.name)
     print(out)
+    return 0
+
+
+def _ladder(args: argparse.Namespace) -> int:
+    """`quantize --ladder`: every rung built, measured and registered; the report on stdout."""
+    from localrun import api
+    from localrun import ladder as lad
+
+    if args.type is not None:
+        raise UsageError("give a TYPE or --ladder, not both")
+    try:
+        pp, tg, reps = (int(x) for x in args.bench.split(","))
+    except ValueError:
+        raise UsageError(f"--bench {args.bench!r}: expected three numbers P,N,R", "e.g. --bench 512,128,3") from None
+    imatrix = args.imatrix or "auto"
+    result = api.quantize_ladder(
+        args.input, args.ladder.split(","), args.output, imatrix=None if imatrix == "none" else imatrix,
+        calibration=args.calibration, text=args.text, budget=args.max_kld, name=args.name, n_ctx=args.ctx,
+        chunks=args.chunks, bench=(pp, tg, reps), threads=args.threads,
+        progress=lambda line: print(f"ladder: {line}", file=sys.stderr, flush=True))
+    print(lad.markdown(result), end="")
     return 0
