@@ -137,7 +137,7 @@ class LocalrunApp(App[None]):
             ("library", "Library", "Installed models (F2)"),
             ("discover", "Discover", "Search the Hugging Face Hub and download (F3)"),
             ("chat", "Chat", "The current conversation (F4)"),
-            ("convert", "Convert", "Convert a checkpoint folder to GGUF (F5)"),
+            ("convert", "Convert", "Convert a checkpoint to GGUF, or compare quantizations (F5)"),
         ):
             yield SystemCommand(title, help_text, lambda n=name: self.switch_mode(n))  # type: ignore[misc]
         yield SystemCommand("Conversations", "Resume a saved conversation (Ctrl+O)", self._conversations)

@@ -682,6 +682,27 @@ def _reference_pass(ll: Any, path: Path, data: bytes, s: _Settings, chunks: int 
 
 
 # -- isolation ------------------------------------------------------------------------------
+def _resource_tracker_on_real_stderr() -> None:
+    """Start multiprocessing's resource tracker (which spawn needs) with a real stderr: a host
+    that replaces sys.stderr with a stream without a file descriptor (the TUI's capture, whose
+    fileno() is -1) would make it fail with "bad value(s) in fds_to_keep"."""
+    import sys
+    from multiprocessing import resource_tracker
+
+    try:
+        ok = sys.stderr is not None and sys.stderr.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        ok = False
+    if ok:
+        return
+    saved = sys.stderr
+    with open(os.devnull, "w") as null:
+        sys.stderr = null
+        try:
+            resource_tracker.ensure_running()
+        finally:
+            sys.stderr = saved
+
 class EvalWorker:
     """A child process for evaluate(): a native abort there becomes an EngineCrashedError here.
 
@@ -700,6 +721,8 @@ class EvalWorker:
         mp: Any = multiprocessing.get_context("fork" if safe else "spawn")
         self.conn, child = mp.Pipe()
         self.proc = mp.Process(target=_worker, args=(child,), daemon=True)
+        if not safe:
+            _resource_tracker_on_real_stderr()
         self.proc.start()
         child.close()
 

@@ -128,3 +128,42 @@ def test_convert(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: 
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def measured_ladder() -> Any:
+    """A ladder as the core returns it, with fixed measurements (so no speeds that vary)."""
+    from localrun.ladder import Ladder, Rung
+
+    rows = [("q8_0", 145.0, 8.5, 12.91, 0.0016, 0.972, 3150, 118), ("q6_k", 112.0, 6.56, 12.96, 0.0052, 0.951, 3320, 131),
+            ("q4_k_m", 85.0, 4.89, 13.42, 0.031, 0.893, 3600, 152), ("iq4_xs", 79.0, 4.46, 13.55, 0.044, 0.874, 3410, 149),
+            ("q3_k_m", 70.0, 3.91, 14.61, 0.118, 0.81, 3050, 139), ("q2_k", 58.0, 3.26, 19.8, 0.52, 0.66, 2980, 141)]
+    rungs = [Rung(t, f"/models/ladder/SmolLM2-{t.upper()}.gguf", int(mib * 2**20), bpw, t not in ("q8_0",), ppl, kld,
+                  kld * 0.6, kld * 5, kld * 40, top, kld * 2, pp, tg, f"smollm2:{t}") for t, mib, bpw, ppl, kld, top, pp, tg
+             in rows]
+    return Ladder("/models/SmolLM2", "/models/ladder/SmolLM2-F16.gguf", 12.88, "/models/ladder/eval-text.txt", None,
+                  None, 0.05, rungs)
+
+
+def ladder_shown(tab: str) -> Any:
+    async def before(pilot: Any) -> None:
+        await library_loaded(pilot)
+        await pilot.press("f5")
+        screen = pilot.app.screen
+        pilot.app.notify = lambda *args, **kwargs: None  # the toast would cover the picture
+        screen._ladder_done(measured_ladder())
+        screen.query_one("#convert-tabs").active = tab
+        table = screen.query_one("#ladder-table")
+        await wait_for(pilot, lambda: table.row_count == 6 and not table._require_update_dimensions, "the table")
+        await pilot.pause()
+
+    return before
+
+
+def test_convert_ladder_table(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=ladder_shown("convert-rungs"))
+
+
+def test_convert_ladder_plot(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=ladder_shown("convert-plot"))

@@ -96,6 +96,7 @@ Discover  type to search; Enter opens a repository or downloads a file
           c       cancel the highlighted download
 
 Convert   pick a checkpoint folder and an output type; Ctrl+G converts
+          Ladder q8_0,q4_k_m: Ctrl+G builds, measures, compares them
 """
 
 
