@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from localrun.cli.options import int_in
+from localrun.cli.options import int_in, stderr_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -96,23 +96,9 @@ class _Bar:
     """A rich bar on a terminal's stderr per pass (reference, then model); a line a chunk otherwise."""
 
     def __init__(self) -> None:
-        self.bar: Any = None
         self.tasks: dict[str, Any] = {}
         self.printed = 0.0
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
-            self.bar.start()
+        self.bar: Any = stderr_bar("{task.description:<9}", "PPL {task.fields[ppl]}")
 
     def update(self, e: Any) -> None:
         if self.bar is None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localrun.cli.options import int_in
+from localrun.cli.options import int_in, stderr_bar
 from localrun.errors import UsageError
 
 
@@ -65,21 +65,9 @@ class _Bar:
         self.printed = 0.0
 
     def __enter__(self) -> _Bar:
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(TextColumn("chunks"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[speed]}"), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
+        self.bar = stderr_bar("chunks", "{task.fields[speed]}")
+        if self.bar is not None:
             self.task = self.bar.add_task("chunks", total=None, speed="")
-            self.bar.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,6 +40,28 @@ def _gpu_layers(value: str) -> int | str:
     return n
 
 
+def stderr_bar(label: str, extra: str) -> Any:
+    """A started rich progress bar on a terminal's stderr (label, bar, done/total, `extra` as a
+    text column, time left), or None when stderr is not a terminal (callers print lines then)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn(extra), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    bar.start()
+    return bar
+
+
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """Sampling and stopping flags (defaults come from GenerationParams)."""
     g = p.add_argument_group("generation")
