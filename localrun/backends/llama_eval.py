@@ -750,7 +750,7 @@ class EvalWorker:
                     return value  # type: ignore[no-any-return]
                 else:
                     raise payload_error(value)
-        except (EOFError, BrokenPipeError):
+        except (EOFError, BrokenPipeError, ConnectionResetError):
             raise self._crashed(Path(model_path).name) from None
         finally:
             self.close()
