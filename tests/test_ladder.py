@@ -75,7 +75,7 @@ def test_three_rungs_resume_after_sigkill(stories: Path, tmp_path: Path, cli: An
     assert "| q4_0 |" in (out / "report.md").read_text() or "| q4_0 **(recommended)** |" in (out / "report.md").read_text()
     assert "| type | size MiB |" in res.stdout
     meta = api.get_model("tiny:q4_0").details["metadata"]
-    assert meta["localrun.source"] == str(stories) and meta["localrun.quantized_from"] == stories.name
+    assert meta["localrun.source"] == str(stories.resolve()) and meta["localrun.quantized_from"] == stories.name
 
 
 def test_imatrix_lowers_kld_of_an_iquant(starter: Path, tmp_path: Path) -> None:
