@@ -216,15 +216,6 @@ def with_tools(rows: list[BatchRow], params: GenerationParams, plan: Any) -> lis
     return out
 
 
-def with_calls(record: dict[str, Any], plan: Any) -> dict[str, Any]:
-    """A result record with the reply's tool calls parsed out of its text (OpenAI's shape)."""
-    content, calls = plan.parse(record.get("text", ""))
-    out = {**record, "text": content, "tool_calls": [c.to_openai() for c in calls]}
-    if calls:
-        out["finish_reason"] = "tool_calls"
-    return out
-
-
 TEMPLATE_MARGIN = 256  # tokens a chat template may add around the messages (headers, default system prompts)
 
 

@@ -101,7 +101,8 @@ def schema_lark(schema: Any, rule: str = "start") -> str:
     """The Lark rule for JSON that validates against schema (compact separators, closed objects)."""
     body = closed_objects(schema) if isinstance(schema, Mapping) else ({} if schema else {"not": {}})
     body.setdefault("x-guidance", _JSON_STYLE)
-    return f"{rule}: %json {json.dumps(body, ensure_ascii=False)}\n"
+    # '<' spelled \u003c: nothing inside a schema can be taken for a <<special:...>> placeholder
+    return f"{rule}: %json {json.dumps(body, ensure_ascii=False).replace('<', chr(92) + 'u003c')}\n"
 
 
 def literal(text: str) -> str:
@@ -134,7 +135,7 @@ class Constraint:
         """A llama.cpp GBNF grammar (root rule `root`); a Lark grammar is taken as it is."""
         if not isinstance(text, str) or not text.strip():
             raise UsageError(f"invalid {where}: it is empty")
-        _llguidance(where)
+        import_llguidance(where)
         from llguidance.gbnf_to_lark import any_to_lark
 
         try:
@@ -207,7 +208,8 @@ def _load_json(text: str, where: str) -> Any:
         raise UsageError(f"invalid {where}: not JSON ({e})", "give a JSON schema, or the path of a file with one") from e
 
 
-def _llguidance(where: str) -> Any:
+def import_llguidance(where: str = "structured output") -> Any:
+    """The llguidance module, or an error saying how to install it."""
     try:
         import llguidance
     except ImportError as e:
@@ -218,7 +220,7 @@ def _llguidance(where: str) -> Any:
 
 def _validated(lark: str, where: str) -> str:
     """The grammar, once llguidance has compiled it (with no tokenizer: structure only)."""
-    llguidance = _llguidance(where)
+    llguidance = import_llguidance(where)
     message = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), None)
     if message and not message.startswith("WARNING"):
         raise UsageError(f"invalid {where}: {message.strip()}")

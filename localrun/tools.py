@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 from localrun.chat import Message, render_template
+from localrun.constraint import check_schema, schema_lark
 from localrun.errors import UsageError
 
 CHOICES = ("auto", "required", "none")
@@ -32,7 +33,6 @@ _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
 _ALNUM = string.ascii_letters + string.digits
 _ARG_KEYS = ("arguments", "parameters")
 # The house JSON style (as in localrun.constraint): compact separators, no free whitespace.
-_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # TEXT may end in '>' (<|python_tag|>): the placeholder ends at the last '>>' of a run of '>'.
 _SPECIAL = re.compile(r"<<special:(.+?)>>(?!>)", re.S)
 
@@ -85,10 +85,6 @@ def _parameters(name: str, params: Any) -> dict[str, Any]:
         params = json.loads(json.dumps(params))
     except (TypeError, ValueError) as e:
         raise UsageError(f"tool '{name}': 'parameters' is not JSON ({e})") from e
-    try:
-        from localrun.constraint import check_schema
-    except ImportError:  # an engine without structured output: nothing to check against
-        return params
     check_schema(params, f"parameters of tool '{name}'")
     return params
 
@@ -726,19 +722,8 @@ def _thought(before: str = "") -> str:
             "WS: /[ \\t\\r\\n]+/\n")
 
 
-def _json_rule(rule: str, schema: Mapping[str, Any]) -> str:
-    # '<' spelled \u003c: nothing inside a schema can be taken for a <<special:...>> placeholder
-    body = json.dumps({**schema, "x-guidance": _STYLE}, ensure_ascii=False).replace("<", "\\u003c")
-    return f"{rule}: %json {body}\n"
-
-
 def _params(tool: Mapping[str, Any]) -> Any:
-    params = tool["function"].get("parameters") or {"type": "object", "properties": {}}
-    try:
-        from localrun.constraint import closed_objects
-    except ImportError:
-        return params
-    return closed_objects(params)
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
 def _call_schema(tool: Mapping[str, Any], args_key: str = "arguments",
@@ -864,7 +849,7 @@ class Hermes(ToolFormat):
         many = ' ("\\n" call)*' if parallel else ""
         return (f"calls: call{many}\n"
                 f'call: {_sp("<tool_call>")} "\\n" body "\\n" {_sp("</tool_call>")}\n'
-                + _json_rule("body", _any([_call_schema(t) for t in tools])))
+                + schema_lark(_any([_call_schema(t) for t in tools]), "body"))
 
 
 class Llama3(ToolFormat):
@@ -898,7 +883,7 @@ class Llama3(ToolFormat):
         return f"{_sp('<|python_tag|>')}? ", ""
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
-        return _json_rule("calls", _any([_call_schema(t, "parameters") for t in tools]))
+        return schema_lark(_any([_call_schema(t, "parameters") for t in tools]), "calls")
 
 
 class Mistral(ToolFormat):
@@ -931,7 +916,7 @@ class Mistral(ToolFormat):
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         items = _any([_call_schema(t, extra=self._ID) for t in tools])
-        return f"calls: {_sp('[TOOL_CALLS]')} body\n" + _json_rule("body", _array(items, parallel))
+        return f"calls: {_sp('[TOOL_CALLS]')} body\n" + schema_lark(_array(items, parallel), "body")
 
 
 def _mistral_id(raw: str) -> str:
@@ -955,7 +940,7 @@ class Granite(ToolFormat):
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         items = _any([_call_schema(t) for t in tools])
-        return f"calls: {_sp('<|tool_call|>')} body\n" + _json_rule("body", _array(items, parallel))
+        return f"calls: {_sp('<|tool_call|>')} body\n" + schema_lark(_array(items, parallel), "body")
 
 
 _DS = {k: f"<｜{k.replace('_', '▁')}｜>" for k in (
@@ -1001,7 +986,7 @@ class DeepSeekR1(ToolFormat):
             head = _lit(t["function"]["name"] + "\n```json\n")
             rules.append(f'fn_{i}: {_sp(_DS["tool_call_begin"])} "function" {_sp(_DS["tool_sep"])} {head} '
                          f'args_{i} "\\n```" {_sp(_DS["tool_call_end"])}\n')
-            rules.append(_json_rule(f"args_{i}", _params(t)))
+            rules.append(schema_lark(_params(t), f"args_{i}"))
         return "".join(rules)
 
 
@@ -1040,7 +1025,7 @@ class Generic(ToolFormat):
                  "properties": {"tool_calls": _array(_any([_call_schema(t) for t in _chosen(tools, choice)]), parallel)}}
         response = {"type": "object", "additionalProperties": False, "required": ["response"],
                     "properties": {"response": {"type": "string"}}}
-        return "start: body\n" + _json_rule("body", {"anyOf": [calls, response]} if choice == "auto" else calls)
+        return "start: body\n" + schema_lark({"anyOf": [calls, response]} if choice == "auto" else calls, "body")
 
     def lazy_grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
         grammar = self.grammar(tools, "auto", parallel)
@@ -1154,6 +1139,14 @@ class ToolPlan:
         if self.choice == "none":
             return text, []
         return self.format.parse(text)
+
+    def record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A result record (run --json, batch) with the reply's calls parsed out of its text."""
+        content, calls = self.parse(record.get("text", ""))
+        out = {**record, "text": content, "tool_calls": [c.to_openai() for c in calls]}
+        if calls:
+            out["finish_reason"] = "tool_calls"
+        return out
 
     def streamer(self) -> ToolStreamer | None:
         """The incremental parser for a streamed reply; None when no call can come (choice none)."""

@@ -16,17 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from localrun.errors import BackendUnavailableError, UsageError
+from localrun.constraint import import_llguidance
+from localrun.errors import UsageError
 from localrun.tools import resolve_specials
-
-
-def import_llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError as e:
-        raise BackendUnavailableError("structured output needs llguidance, which is not installed",
-                                      "pip install llguidance") from e
-    return llguidance
 
 
 class Grammars:

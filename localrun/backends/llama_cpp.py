@@ -182,7 +182,7 @@ class LlamaCppEngine:
 
     def _llg_tokenizer(self) -> Any:
         """llguidance's view of this vocabulary, with every end-of-generation token as its EOS."""
-        from localrun.backends.grammar import import_llguidance
+        from localrun.constraint import import_llguidance
 
         import_llguidance()
         from llguidance.llamacpp import lltokenizer_from_vocab
@@ -391,6 +391,8 @@ class LlamaCppEngine:
         if not entries:
             return []
         self.decode(entries)
+        import numpy as np  # with llama-cpp-python; imported here so that loading this module stays light
+
         ll, ctx = self.ll, self.ctx
         out = []
         for s, idx in owners:
@@ -398,8 +400,6 @@ class LlamaCppEngine:
             assert q is not None
             g = q.grammar
             if g is not None and g.active:
-                import numpy as np
-
                 g.mask_logits(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), shape=(self.n_vocab,)))
             tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
             if g is not None:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends.base import Embeddings, Sampled, token_logprob
-from localrun.backends.grammar import Grammars, GrammarState, import_llguidance
+from localrun.backends.grammar import Grammars, GrammarState
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
+from localrun.constraint import import_llguidance
 from localrun.errors import (
     BackendUnavailableError,
     BadModelFileError,

@@ -85,7 +85,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     try:
         for record in api.batch(session, rows, params, cancel=cancel, progress=report.progress):
             if plan is not None and "text" in record:
-                record = batching.with_calls(record, plan)
+                record = plan.record(record)
             writer.write(record)
             report.row(record)
     finally:

@@ -87,11 +87,7 @@ def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.N
     if args.json:
         record = {"model": name, "text": text, **_stats(last)}
         if plan is not None:
-            content, calls = plan.parse(text)
-            record["text"] = content
-            record["tool_calls"] = [c.to_openai() for c in calls]
-            if calls:
-                record["finish_reason"] = "tool_calls"
+            record = plan.record(record)
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     elif not text.endswith("\n"):
         out.write("\n")

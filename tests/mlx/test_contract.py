@@ -251,10 +251,7 @@ def test_lazy_grammar_applies_from_its_trigger(plain: Any) -> None:
     """A lazy grammar (tool calls under "auto") leaves the text free until its trigger, then holds."""
     import re
 
-    from localrun.constraint import Constraint
-
     lark = 'start: "Lily" " is " /[0-9]{2}/ "."\n'
-    Constraint("lark", lark)  # the grammar itself is plain Lark
     text, last, _ = collect(plain, Request.raw("Once upon a time"),
                             GenerationParams(temperature=0, max_tokens=80, grammar=lark, grammar_trigger="Lily"))
     assert last.finish_reason == "stop", text

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +166,8 @@ class ConvertScreen(Screen[None]):
                 last = now
                 self.app.call_from_thread(self._progress, p)
 
-        try:
-            info = run_conversion(src, outtype, name, progress)
-        except LocalrunError as e:
-            self.app.call_from_thread(self._failed, str(e))
-            return
-        except Exception as e:  # noqa: BLE001 - the app keeps running whatever the converter does
-            self.app.call_from_thread(self._failed, f"{type(e).__name__}: {e}")
+        info = self._attempt(lambda: run_conversion(src, outtype, name, progress))
+        if info is None:
             return
         self.app.call_from_thread(self._done, info.name, info.path)
         self.app.post_message(ModelsChanged(info.name))
@@ -182,17 +177,22 @@ class ConvertScreen(Screen[None]):
         def progress(line: str) -> None:
             self.app.call_from_thread(self._ladder_progress, line)
 
-        try:
-            result = run_ladder(src, types, name, dict(self.ladder_options), progress)
-        except LocalrunError as e:
-            self.app.call_from_thread(self._failed, str(e))
-            return
-        except Exception as e:  # noqa: BLE001 - the app keeps running whatever the ladder does
-            self.app.call_from_thread(self._failed, f"{type(e).__name__}: {e}")
+        result = self._attempt(lambda: run_ladder(src, types, name, dict(self.ladder_options), progress))
+        if result is None:
             return
         self.app.call_from_thread(self._ladder_done, result)
         rec = result.recommended()
         self.app.post_message(ModelsChanged(rec.name if rec else None))
+
+    def _attempt(self, job: Callable[[], Any]) -> Any:
+        """job() in the worker thread; a failure (None returned) goes to the status line, the app goes on."""
+        try:
+            return job()
+        except LocalrunError as e:
+            self.app.call_from_thread(self._failed, str(e))
+        except Exception as e:  # noqa: BLE001 - the app keeps running whatever the converter does
+            self.app.call_from_thread(self._failed, f"{type(e).__name__}: {e}")
+        return None
 
     def _progress(self, p: Any) -> None:
         bar = self.query_one("#convert-progress", ProgressBar)
