@@ -503,7 +503,7 @@ def quantize_ladder(
         budget: the mean KLD the recommended rung may lose (default ladder.DEFAULT_BUDGET).
         name: the store family of the rungs (`name:q4_k_m`; default from the source).
         bench: (prompt tokens, generated tokens, repetitions) of each rung's speed test.
-        progress: called with a line of text at each step.
+        progress: called with a ladder.Step at each step (str() of it is a line of text).
 
     Returns:
         ladder.Ladder, whose report is written to out_dir as report.md and report.json.
@@ -528,7 +528,7 @@ def quantize_ladder(
         if not text_path.exists() or text_path.read_text(encoding="utf-8") != body:
             text_path.write_text(body, encoding="utf-8")
         if progress:
-            progress(f"evaluation text: {description}")
+            progress(lad.Step(f"evaluation text: {description}"))
     else:
         text_path = _P(text)
     cal = _P(calibration) if calibration is not None else None

@@ -11,6 +11,7 @@ The report (table, Markdown, JSON) recommends the smallest rung within a KLD bud
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +81,19 @@ class Ladder:
         return cls(**fields_, rungs=rungs)
 
 
+@dataclass(frozen=True)
+class Step:
+    """A ladder's progress: what it does now, for which rung (None: a step all rungs share), and
+    how many rungs are built and measured (kept ones included)."""
+
+    text: str
+    rung: str | None = None
+    done: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.rung}: {self.text}" if self.rung else self.text
+
+
 @dataclass
 class Steps:
     """What the ladder calls for each step (the real ones in api.quantize_ladder; tests may wrap them)."""
@@ -109,9 +123,13 @@ def _save(state: Path, ladder: Ladder) -> None:
 
 def run(source: Path, types: list[str], out_dir: Path, text: Path, steps: Steps, *, imatrix: str | None = "auto",
         calibration: Path | None = None, budget: float = DEFAULT_BUDGET,
-        progress: Callable[[str], None] | None = None) -> Ladder:
+        progress: Callable[[Step], None] | None = None) -> Ladder:
     """Build and measure every rung (resuming a ladder found in out_dir); returns the ladder."""
-    say = progress or (lambda _m: None)
+    report = progress or (lambda _s: None)
+
+    def say(text: str) -> None:
+        report(Step(text))
+
     if not types:
         raise UsageError("--ladder needs at least one type", "e.g. --ladder q8_0,q6_k,q4_k_m")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,16 +147,21 @@ def run(source: Path, types: list[str], out_dir: Path, text: Path, steps: Steps,
     ladder.budget = budget
     done = {r.type: r for r in ladder.rungs if Path(r.path).exists() and Path(r.path).stat().st_size == r.size}
     ladder.rungs = [done[t] for t in types if t in done]
-    for t in types:
+    for i, t in enumerate(types):
         if t in done:
-            say(f"{t}: already built and measured")
+            report(Step("already built and measured", t, i + 1))
             continue
-        rung, ppl_reference = _rung(t, source, reference, out_dir, text, imatrix_path, dataset, steps, say)
+        rung, ppl_reference = _rung(t, source, reference, out_dir, text, imatrix_path, dataset, steps,
+                                    functools.partial(_rung_step, report, t, i))
         ladder.rungs.append(rung)
         ladder.rungs.sort(key=lambda r: types.index(r.type))
         ladder.reference_ppl = ppl_reference
         _save(state, ladder)
     return ladder
+
+
+def _rung_step(report: Callable[[Step], None], rung: str, done: int, text: str) -> None:
+    report(Step(text, rung, done))
 
 
 def _reference(source: Path, out_dir: Path, steps: Steps, say: Callable[[str], None]) -> Path:
@@ -176,7 +199,7 @@ def _rung(t: str, source: Path, reference: Path, out_dir: Path, text: Path, imat
     t0 = time.perf_counter()
     path = out_dir / f"{reference.stem.removesuffix('-F16')}-{t.upper()}.gguf"
     use = imatrix if t in IMATRIX_HELPS else None
-    say(f"{t}: quantizing" + (" with the importance matrix" if use else ""))
+    say("quantizing" + (" with the importance matrix" if use else ""))
     steps.quantize(reference, path, t, use)
     from importlib.metadata import version
 
@@ -186,9 +209,9 @@ def _rung(t: str, source: Path, reference: Path, out_dir: Path, text: Path, imat
         keys["localrun.imatrix.dataset"] = dataset or ""
         keys["localrun.imatrix.sha256"] = sha256(use)
     steps.provenance(path, keys)
-    say(f"{t}: evaluating against the reference")
+    say("evaluating against the reference")
     stats = steps.evaluate(path, reference, text)
-    say(f"{t}: benchmarking")
+    say("benchmarking")
     pp, tg = steps.bench(path)
     name = steps.register(path, t)
     from localrun.modelfile import read_gguf

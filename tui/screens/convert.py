@@ -71,7 +71,6 @@ class ConvertScreen(Screen[None]):
         self.ladder: Any = None  # the last ladder's result (localrun.ladder.Ladder)
         # Extra keyword arguments of api.quantize_ladder (out_dir, imatrix, text, n_ctx, bench, ...).
         self.ladder_options: dict[str, Any] = {}
-        self._types: list[str] = []
 
     def compose(self) -> ComposeResult:
         yield NavBar("convert")
@@ -142,7 +141,6 @@ class ConvertScreen(Screen[None]):
         bar = self.query_one("#convert-progress", ProgressBar)
         bar.display = True
         if types:
-            self._types = types
             bar.update(total=len(types), progress=0)
             self._status(f"Ladder of {src}: {', '.join(types)}…")
             self.build_ladder(src, types, name)
@@ -174,8 +172,8 @@ class ConvertScreen(Screen[None]):
 
     @work(thread=True, group="convert")
     def build_ladder(self, src: str, types: list[str], name: str | None) -> None:
-        def progress(line: str) -> None:
-            self.app.call_from_thread(self._ladder_progress, line)
+        def progress(step: Any) -> None:
+            self.app.call_from_thread(self._ladder_progress, step)
 
         result = self._attempt(lambda: run_ladder(src, types, name, dict(self.ladder_options), progress))
         if result is None:
@@ -200,12 +198,10 @@ class ConvertScreen(Screen[None]):
         self._status(f"{p.stage}: {p.index}/{p.total_tensors} tensors, {size(p.bytes_done)}/{size(p.total_bytes)}, "
                      f"{size(p.rate)}/s, ETA {duration(p.eta_s)}")
 
-    def _ladder_progress(self, line: str) -> None:
-        rung, _, step = line.partition(": ")
-        if rung in self._types:  # "q4_k_m: quantizing", ..., "q8_0: already built and measured"
-            done = self._types.index(rung) + (1 if step.startswith("already") else 0)
-            self.query_one("#convert-progress", ProgressBar).update(progress=done)
-        self._status(f"Ladder: {line}")
+    def _ladder_progress(self, step: Any) -> None:
+        """A ladder.Step: the bar counts finished rungs, the status line says what runs now."""
+        self.query_one("#convert-progress", ProgressBar).update(progress=step.done)
+        self._status(f"Ladder: {step}")
 
     def _done(self, name: str, path: str) -> None:
         self.running = False
