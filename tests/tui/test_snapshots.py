@@ -39,13 +39,19 @@ def fixed_model_paths(monkeypatch: pytest.MonkeyPatch, starter: Path) -> None:
     monkeypatch.setattr("tui.screens.library.api.list_models", listed)
 
 
+def laid_out(table: Any) -> bool:
+    """Whether a DataTable has sized its columns and rows for every row it holds (it does so when
+    idle): its virtual size then covers the header and each row."""
+    return bool(table.row_count) and table.virtual_size.height == table.row_count + (1 if table.show_header else 0)
+
+
 async def library_loaded(pilot: Any) -> None:
     lib = pilot.app.mode_screens["library"]
     assert isinstance(lib, LibraryScreen)
     await wait_for(pilot, lambda: lib.loaded, "the library to load")
     table = lib.query_one("#models")
     # DataTable sizes its columns when idle; the picture must not catch it half-way.
-    await wait_for(pilot, lambda: not table._require_update_dimensions, "the table's column widths")
+    await wait_for(pilot, lambda: laid_out(table), "the table's column widths")
     await pilot.pause()
 
 
@@ -125,6 +131,8 @@ def test_convert(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: 
         await pilot.press("f5")
         tree = pilot.app.screen.query_one("#convert-tree")
         await wait_for(pilot, lambda: len(tree.root.children) == 2, "the folder listing")
+        for field in pilot.app.screen.query("Input"):
+            field.cursor_blink = False  # a blinking cursor is in the picture or not depending on timing
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
@@ -150,10 +158,12 @@ def ladder_shown(tab: str) -> Any:
         await pilot.press("f5")
         screen = pilot.app.screen
         pilot.app.notify = lambda *args, **kwargs: None  # the toast would cover the picture
+        for field in screen.query("Input"):
+            field.cursor_blink = False  # a blinking cursor is in the picture or not depending on timing
         screen._ladder_done(measured_ladder())
         screen.query_one("#convert-tabs").active = tab
         table = screen.query_one("#ladder-table")
-        await wait_for(pilot, lambda: table.row_count == 6 and not table._require_update_dimensions, "the table")
+        await wait_for(pilot, lambda: table.row_count == 6 and laid_out(table), "the table")
         await pilot.pause()
 
     return before
