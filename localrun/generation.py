@@ -11,6 +11,17 @@ from localrun.chat import Message, parse_messages
 from localrun.errors import UsageError
 
 
+def _adapters(value: Any) -> tuple[tuple[str, float], ...]:
+    """(path, scale) pairs as a tuple of tuples (JSON brings them back as lists)."""
+    out = []
+    for item in value or ():
+        path, scale = item
+        scale = float(scale)
+        _check(math.isfinite(scale), "--lora", f"{path}:{scale}", "a finite scale, e.g. ADAPTER:0.5")
+        out.append((str(path), scale))
+    return tuple(out)
+
+
 def _check(cond: bool, flag: str, value: Any, expected: str) -> None:
     if not cond:
         raise UsageError(f"invalid value for {flag}: {value!r}", f"expected {expected}")
@@ -35,6 +46,8 @@ class GenerationParams:
     grammar: str | None = None  # a Lark grammar (llguidance) the output must match: see constraint.py
     grammar_trigger: str | None = None  # the grammar applies from this text on (a lazy grammar), else from the start
     special: bool = False  # render control tokens as text (tool-call openers such as [TOOL_CALLS])
+    # GGUF LoRA adapters applied to this reply, as (adapter file, scale); the base model stays loaded
+    lora: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
@@ -51,6 +64,7 @@ class GenerationParams:
         _check(self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
                "grammar_trigger", self.grammar_trigger, "a non-empty text, with a grammar")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "lora", _adapters(self.lora))
 
     @property
     def penalized(self) -> bool:
@@ -90,6 +104,9 @@ class LoadOptions:
     n_batch: int = 512
     n_parallel: int = 1
     max_queue: int = 0  # requests waiting beyond n_parallel; 0: unbounded
+    # LoRA adapters applied when the model loads, as (PEFT adapter folder, scale): the MLX engine's
+    # way (llama.cpp applies GGUF adapters per request instead: GenerationParams.lora).
+    lora: tuple[tuple[str, float], ...] = ()
 
     DEFAULT_CTX = 4096
 
@@ -101,6 +118,7 @@ class LoadOptions:
         _check(self.n_batch >= 1, "--batch-size", self.n_batch, "an integer >= 1")
         _check(self.n_parallel >= 1, "--parallel", self.n_parallel, "an integer >= 1")
         _check(self.max_queue >= 0, "--max-queue", self.max_queue, "an integer >= 0")
+        object.__setattr__(self, "lora", _adapters(self.lora))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

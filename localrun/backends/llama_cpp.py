@@ -177,6 +177,8 @@ class LlamaCppEngine:
                     raise
                 slots //= 2  # not enough memory for that many sequences: fewer at once
         self.seqs: list[_Seq | None] = [None] * self.n_slots
+        self._adapters: dict[str, Any] = {}  # adapter file -> llama_adapter_lora, loaded on first use
+        self.lora: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
         self._template = self.meta("tokenizer.chat_template")
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab, self.token_text)
 
@@ -344,6 +346,44 @@ class LlamaCppEngine:
 
     def piece_special(self, token: int) -> bytes:
         return self.piece(token, special=True)
+
+    # -- LoRA adapters --------------------------------------------------------------------
+    def _adapter(self, path: str) -> Any:
+        """The loaded adapter of a GGUF LoRA file (loaded once, kept with the model)."""
+        handle = self._adapters.get(path)
+        if handle is None:
+            _LOG_TAIL.clear()
+            handle = self.ll.llama_adapter_lora_init(self.model, path.encode())
+            if not handle:
+                reason = last_log_error() or "llama.cpp could not load it"
+                raise BadModelFileError(
+                    f"cannot apply the LoRA adapter '{path}' to '{self.model_info.name}': {reason}",
+                    "an adapter runs only on the base model it was trained for; check its base with 'localrun show'")
+            self._adapters[path] = handle
+        return handle
+
+    def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
+        """Apply these adapters (file, scale) to every sequence decoded from now on.
+
+        llama.cpp applies adapters per context, so the engine loop runs together only sequences
+        that use the same adapters, and keeps their KV caches apart from the others'.
+        """
+        lora = tuple(lora)
+        if lora == self.lora:
+            return
+        merged: dict[str, float] = {}
+        for path, scale in lora:
+            merged[path] = merged.get(path, 0.0) + scale
+        ll = self.ll
+        handles = [self._adapter(path) for path in merged]
+        n = len(handles)
+        if n:
+            arr = (ll.llama_adapter_lora_p_ctypes * n)(*handles)
+            scales = (ctypes.c_float * n)(*merged.values())
+            ll.llama_set_adapters_lora(self.ctx, arr, n, scales)
+        else:
+            ll.llama_set_adapters_lora(self.ctx, None, 0, None)
+        self.lora = lora
 
     # -- the engine loop's operations -----------------------------------------------------
     def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
@@ -516,6 +556,9 @@ class LlamaCppEngine:
             ll.llama_free(self._embed_ctx)
             self._embed_ctx = None
         self._free_context()
+        for handle in getattr(self, "_adapters", {}).values():
+            ll.llama_adapter_lora_free(handle)
+        self._adapters = {}
         if getattr(self, "model", None):
             ll.llama_model_free(self.model)
             self.model = None

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from localrun.backends.base import Cancel, Engine, Sampled
 from localrun.chat import StopMatcher
-from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError
+from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
 
 
@@ -47,7 +47,7 @@ class _Job:
     """One request: queued, then running in a slot."""
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
-                 "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused")
+                 "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
                  n_ctx: int) -> None:
@@ -68,6 +68,7 @@ class _Job:
         self.t0 = self.t1 = 0.0
         self.sampled = False
         self.reused = 0
+        self.lora = params.lora  # the adapters it runs with: only jobs with the same ones share a step
 
 
 class EngineLoop:
@@ -80,6 +81,7 @@ class EngineLoop:
         self.queue: deque[_Job] = deque()
         self.slots: list[_Job | None] = [None] * engine.n_slots
         self.cached: list[list[int]] = [[] for _ in range(engine.n_slots)]  # tokens in each slot's KV cache
+        self.cached_lora: list[Any] = [() for _ in range(engine.n_slots)]  # the adapters that cache was made with
         self.jobs: dict[Any, _Job] = {}
         self.prompt_tokens = 0  # evaluated, over the loop's life
         self.completion_tokens = 0
@@ -101,6 +103,9 @@ class EngineLoop:
             if self.max_queue and len(self.queue) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self.slots)} sequences are busy and {len(self.queue)} requests wait",
                                       "retry later, or start the server with a larger --parallel or --max-queue")
+            if params.lora and not hasattr(self.engine, "set_lora"):
+                raise UsageError("this engine applies LoRA adapters when the model loads, not per request",
+                                 "load the model with the adapter (--lora when it loads), or use the llama.cpp engine")
             stops = list(params.stop)
             tokens = self.engine.prompt_tokens(request, stops)
             n_ctx = self.engine.n_ctx
@@ -146,21 +151,40 @@ class EngineLoop:
         for s in sampled:
             self._token(s)
 
-    def _sources(self) -> list[tuple[int, list[int]]]:
-        """Slots whose KV cache holds a known prefix: idle ones, and running ones past their prompt."""
+    def _sources(self, lora: Any) -> list[tuple[int, list[int]]]:
+        """Slots whose KV cache holds a known prefix made with these adapters: idle ones, and
+        running ones past their prompt."""
         out = []
         for s, job in enumerate(self.slots):
             if job is None:
-                out.append((s, self.cached[s]))
-            elif job.sampled:
+                if self.cached_lora[s] == lora:
+                    out.append((s, self.cached[s]))
+            elif job.sampled and job.lora == lora:
                 out.append((s, job.tokens))
         return out
 
-    def _best(self, tokens: list[int], own: int, sources: list[tuple[int, list[int]]]) -> tuple[int, int]:
+    def _cache(self, slot: int, lora: Any) -> list[int]:
+        """What the slot's KV cache holds, if it was made with these adapters (else nothing usable)."""
+        return self.cached[slot] if self.cached_lora[slot] == lora else []
+
+    def _next_group(self) -> list[_Job]:
+        """The queued jobs to admit now: those with the running jobs' adapters, in order.
+
+        Sequences decoded in one step share the context's adapters. While the oldest waiting job
+        needs other adapters, nothing new is admitted, so the running group drains and that job's
+        group goes next (no request waits forever behind a stream of others).
+        """
+        running = next((j.lora for j in self.slots if j is not None), None)
+        lora = self.queue[0].lora if running is None else running
+        if lora != self.queue[0].lora:
+            return []
+        return [j for j in self.queue if j.lora == lora]
+
+    def _best(self, tokens: list[int], own: int, sources: list[tuple[int, list[int]]], lora: Any) -> tuple[int, int]:
         """(source slot, length) of the longest cached prefix of tokens for the free slot `own`,
         preferring its own cache."""
         limit = len(tokens) - 1  # the last prompt token is always evaluated: it gives the logits
-        best, best_len = own, _lcp(self.cached[own], tokens, limit)
+        best, best_len = own, _lcp(self._cache(own, lora), tokens, limit)
         if not self.engine.can_copy:
             return best, best_len
         for s, cached in sources:
@@ -173,15 +197,28 @@ class EngineLoop:
     def _admit(self) -> None:
         free = [s for s, j in enumerate(self.slots) if j is None]
         wave: list[tuple[int, _Job]] = []
-        while free and self.queue:
-            job = self.queue.popleft()
+        group = self._next_group()
+        if not group or not free:
+            return
+        lora = group[0].lora
+        setter = getattr(self.engine, "set_lora", None)  # engines with per-request adapters (llama.cpp)
+        if setter is not None:
+            try:
+                setter(lora)
+            except LocalrunError as e:  # this group's adapter cannot load: its requests fail, the others go on
+                for job in group:
+                    self._drop(job)
+                    self.sink.error(job.rid, e)
+                return
+        for job in group[:len(free)]:
+            self.queue.remove(job)
             # The free slot whose cache shares the longest prefix with the prompt (llama-server's rule).
-            slot = max(free, key=lambda s: _lcp(self.cached[s], job.tokens, len(job.tokens) - 1))
+            slot = max(free, key=lambda s: _lcp(self._cache(s, lora), job.tokens, len(job.tokens) - 1))
             free.remove(slot)
             wave.append((slot, job))
         taken = {slot for slot, _ in wave}
-        sources = [(s, c) for s, c in self._sources() if s not in taken]  # a wave member's cache may be trimmed
-        plan = {slot: self._best(job.tokens, slot, sources) for slot, job in wave}
+        sources = [(s, c) for s, c in self._sources(lora) if s not in taken]  # a wave member's cache may be trimmed
+        plan = {slot: self._best(job.tokens, slot, sources, lora) for slot, job in wave}
         if len(wave) > 1 and self.engine.can_copy:
             # The prefix these new requests share beyond what the caches hold: evaluate it once, then copy.
             lead_slot, lead = wave[0]
@@ -189,10 +226,11 @@ class EngineLoop:
             for _, j in wave[1:]:
                 shared = _lcp(lead.tokens, j.tokens, shared)
             if shared >= max(n for _, n in plan.values()) + self.min_copy_gain:
-                own = _lcp(self.cached[lead_slot], lead.tokens, shared)
+                own = _lcp(self._cache(lead_slot, lora), lead.tokens, shared)
                 self.engine.prefill(lead_slot, lead.tokens[:shared], own)
                 self.prompt_tokens += shared - own
                 self.cached[lead_slot] = lead.tokens[:shared]
+                self.cached_lora[lead_slot] = lora
                 plan = {slot: (lead_slot, shared) for slot, _ in wave}
         now = time.perf_counter()
         # Slots that copy from the lead go first: the lead's own start trims nothing they need.
@@ -251,6 +289,7 @@ class EngineLoop:
         if job.slot >= 0 and self.slots[job.slot] is job:
             n = self.engine.finish(job.slot)
             self.cached[job.slot] = (job.tokens + job.generated)[:n]
+            self.cached_lora[job.slot] = job.lora
             self.slots[job.slot] = None
         else:
             try:
