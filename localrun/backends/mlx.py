@@ -170,6 +170,16 @@ def penalties(mx: Any, params: GenerationParams, n_fed: int) -> Callable[[Any, A
     return process
 
 
+def _layers_prefix(model: Any) -> str:
+    """Where mlx-lm's model keeps its decoder layers, as a parameter path: 'model.layers.'."""
+    layers = getattr(model, "layers", None)
+    if layers:
+        for name, module in model.named_modules():
+            if module is layers[0] and "." in name:
+                return name.rsplit(".", 1)[0] + "."
+    return "model.layers."
+
+
 class _Detok:
     """mlx-lm's streaming detokenizer, keeping the reply's leading space as llama.cpp does.
 
@@ -220,6 +230,9 @@ class MLXEngine:
                                     "try 'pip install -U mlx-lm'") from e
         from mlx_lm.generate import BatchGenerator
 
+        self.lora = options.lora
+        if self.lora:
+            self._apply_lora()
         self.config = config
         n_train = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
         self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
@@ -237,6 +250,26 @@ class MLXEngine:
         self.logprobs: list[int | None] = [None] * self.n_slots
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
                                  lambda t: str(self.tokenizer.decode([t])))
+
+    def _apply_lora(self) -> None:
+        """Convert the PEFT adapters to one mlx-lm adapter (cached) and apply it with mlx-lm's loader."""
+        from mlx_lm.tuner.utils import load_adapters
+
+        from localrun.mlx_adapters import llama_hint, mlx_adapter
+
+        folder = mlx_adapter(self.lora, _layers_prefix(self.model))
+        names = ", ".join(f"'{p}'" for p, _ in self.lora)
+        try:
+            load_adapters(self.model, str(folder))
+        except (ValueError, KeyError) as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            reason = lines[1] if len(lines) > 1 else (lines[0] if lines else type(e).__name__)
+            raise BackendUnavailableError(
+                f"cannot apply the LoRA adapter {names} to '{self.model_info.name}' on MLX: {reason}",
+                "an adapter runs only on the base model it was trained for; if this is its base, "
+                + llama_hint(self.lora[0][0] if len(self.lora) == 1 else "ADAPTER_DIR")) from e
+        self.model.eval()
+        self.mx.eval(self.model.parameters())
 
     def _llg_tokenizer(self) -> Any:
         """llguidance's view of the Hugging Face tokenizer, with every EOS token as its EOS."""
@@ -266,7 +299,7 @@ class MLXEngine:
     def info(self) -> dict[str, Any]:
         quant = self.config.get("quantization")
         n_layers = len(getattr(self.model, "layers", []))
-        return {
+        out: dict[str, Any] = {
             "engine": "mlx",
             "n_ctx": self.n_ctx,
             "n_ctx_train": self.n_train,
@@ -278,6 +311,9 @@ class MLXEngine:
             "chat_template": self.template is not None,
             "quantization": f"{quant['bits']}bit/g{quant['group_size']}" if isinstance(quant, dict) and "bits" in quant else None,
         }
+        if self.lora:
+            out["lora"] = [{"path": path, "scale": scale} for path, scale in self.lora]
+        return out
 
     # -- text <-> tokens ----------------------------------------------------------------------
     def _encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -319,6 +355,10 @@ class MLXEngine:
     def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+        if params.lora:
+            raise UsageError("the MLX engine applies LoRA adapters when the model loads, not per request",
+                             "give --lora when loading, e.g. 'localrun run BASE --engine mlx --lora ADAPTER', "
+                             "or use the llama.cpp engine for per-request adapters")
         mx = self.mx
         cache, self.saved[slot] = self.saved[slot], None
         if cache is not None and keep > 0 and source == slot and can_trim_prompt_cache(cache):
