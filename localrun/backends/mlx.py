@@ -206,6 +206,21 @@ class _Detok:
         return str(self.d.last_segment)
 
 
+def _flat_rope(folder: Path) -> dict[str, Any]:
+    """transformers 5 saves rope_theta inside rope_parameters, where mlx-lm's models do not look
+    (they would run with the default base of 10000): give it at the top level as well."""
+    import json
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    rope = cfg.get("rope_parameters")
+    if cfg.get("rope_theta") is None and isinstance(rope, dict) and isinstance(rope.get("rope_theta"), int | float):
+        return {"rope_theta": float(rope["rope_theta"])}
+    return {}
+
+
 class MLXEngine:
     """A model on MLX whose sequences run through mlx-lm's continuous batching (BatchGenerator).
 
@@ -220,7 +235,8 @@ class MLXEngine:
         self.model_info = model
         path = Path(model.path)
         try:
-            self.model, self.tokenizer, config = mlx_lm.load(str(path), return_config=True)
+            self.model, self.tokenizer, config = mlx_lm.load(str(path), return_config=True,
+                                                             model_config=_flat_rope(path))
         except FileNotFoundError as e:
             raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
                                     "an MLX model is a folder with config.json, *.safetensors and tokenizer files") from e

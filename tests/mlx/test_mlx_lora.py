@@ -42,10 +42,12 @@ def tiny_llama(folder: Path) -> Any:
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(str(need_asset("tokenizers", "llama2-spm")))
-    # The default rope theta: mlx-lm reads `rope_theta`, which transformers 5 saves as rope_parameters.
+    # A rope theta other than the default: transformers 5 saves it inside rope_parameters, where
+    # mlx-lm does not look (the engine passes it on; the base's text equals transformers' then).
     config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config)
     randomize(model)
