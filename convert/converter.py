@@ -1,25 +1,38 @@
-"""The conversion entry points: a Hugging Face folder or an in-memory model to one GGUF file."""
+"""The conversion entry points: a Hugging Face folder or an in-memory model to one GGUF file, and
+a PEFT LoRA adapter to a llama.cpp GGUF adapter."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 from convert import outtypes
-from convert.checkpoint import Checkpoint
+from convert.checkpoint import Checkpoint, open_base
 from convert.errors import ConvertError
+from convert.lora import (
+    Adapter,
+    AdapterTensor,
+    gguf_adapter_tensors,
+    read_adapter,
+    read_adapters,
+)
 from convert.plan import Plan, build_plan
 from convert.progress import ProgressCallback
 from convert.quantize import quantize_file
 from convert.vocab import load_vocab
 from convert.writer import atomic_output, check_space, check_target, temp_path, write_model
+
+LoraSpec = Sequence[tuple[str | os.PathLike[str] | Adapter, float]]
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,9 @@ class Result:
     seconds: float
 
 
-def default_out(ckpt: Checkpoint, folder: Path, outtype: str) -> Path:
-    return folder / f"{ckpt.name}-{outtype.upper()}.gguf"
+def default_out(ckpt: Checkpoint, folder: Path, outtype: str, adapters: Sequence[str] = ()) -> Path:
+    merged = "".join(f"-{a}" for a in adapters)
+    return folder / f"{ckpt.name}{merged}-{outtype.upper()}.gguf"
 
 
 def _metadata(ckpt: Checkpoint, plan: Plan, name: str | None):  # noqa: ANN202
@@ -63,8 +77,11 @@ def run(
     dry_run: bool = False,
     progress: ProgressCallback | None = None,
     threads: int | None = None,
+    lora: LoraSpec | None = None,
 ) -> Result:
-    """Plan, check, write (and quantize) one checkpoint."""
+    """Plan, check, write (and quantize) one checkpoint, with LoRA adapters merged if given."""
+    if lora:
+        ckpt = ckpt.merge(read_adapters(lora))  # checks every shape before any writing
     plan, specs = build_plan(ckpt, out, outtype, Path(imatrix) if imatrix else None)
     metadata = _metadata(ckpt, plan, name)  # reads the tokenizer: fails before any writing
     if dry_run:
@@ -97,6 +114,7 @@ def convert(
     dry_run: bool = False,
     progress: ProgressCallback | None = None,
     threads: int | None = None,
+    lora: LoraSpec | None = None,
 ) -> Result:
     """Convert a Hugging Face model folder to GGUF.
 
@@ -110,18 +128,23 @@ def convert(
         dry_run: plan only; nothing is written (the plan is in Result.plan).
         progress: called after each tensor with a Progress event.
         threads: worker threads (default: the CPU count, at most 4).
+        lora: (PEFT LoRA folder, scale) pairs merged into the weights before conversion and
+            quantization: W + scale * scaling * (B @ A), block by block in float32; several add
+            up. modules_to_save weights replace the base tensor (the scale does not apply).
 
     Returns:
         Result with the output path, the plan and the time taken.
 
     Raises:
-        ConvertError: unsupported architecture or tokenizer, bad files, existing output, no space.
+        ConvertError: unsupported architecture or tokenizer, bad files, existing output, no space,
+            an adapter that does not fit the checkpoint.
     """
     ckpt = Checkpoint.open(src)
+    adapters = read_adapters(lora or ())
     normalized = outtypes.normalize(outtype)
     if out is None:
         shown = normalized if normalized != "auto" else outtypes.auto_type(ckpt.source_dtypes())
-        out_p = default_out(ckpt, Path(src), shown)
+        out_p = default_out(ckpt, Path(src), shown, [a.name for a, _ in adapters])
     else:
         out_p = Path(out)
     return run(
@@ -134,6 +157,7 @@ def convert(
         dry_run=dry_run,
         progress=progress,
         threads=threads,
+        lora=adapters,
     )
 
 
@@ -184,3 +208,174 @@ def from_module(
             force=force,
             progress=progress,
         )
+
+
+# --- PEFT LoRA adapters to llama.cpp adapters --------------------------------------------------
+
+ADAPTER_TYPES = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    """A converted (or, with dry_run, planned) GGUF LoRA adapter."""
+
+    path: Path
+    arch: str  # general.architecture, e.g. llama
+    rank: int  # r of adapter_config.json
+    ranks: tuple[int, ...]  # every rank in the file (rank_pattern may add some)
+    alpha: float  # adapter.lora.alpha as written (lora_alpha * sqrt(r) for rsLoRA)
+    targets: tuple[str, ...]  # target module names: q_proj, down_proj, ...
+    base_model: str | None  # base_model_name_or_path of adapter_config.json
+    n_tensors: int
+    outtype: str
+    skipped: tuple[str, ...]  # whole norm tensors llama.cpp would ignore
+    seconds: float
+
+    @property
+    def tensors(self) -> int:
+        """The number of tensors (n_tensors)."""
+        return self.n_tensors
+
+    def describe(self) -> str:
+        """A human-readable summary (for --dry-run)."""
+        ranks = ", ".join(map(str, self.ranks))
+        lines = [
+            f"base model: {self.base_model or '(not recorded)'}",
+            f"architecture: {self.arch}",
+            f"output: {self.path}",
+            f"type: {self.outtype}",
+            f"rank: {self.rank}" + (f" (per module: {ranks})" if len(self.ranks) > 1 else ""),
+            f"alpha: {self.alpha:g}",
+            f"targets: {', '.join(self.targets)}",
+            f"{self.n_tensors} tensors",
+        ]
+        if self.skipped:
+            lines.append(f"skipped (llama.cpp ignores them): {', '.join(self.skipped)}")
+        return "\n".join(lines)
+
+
+def _adapter_outtype(outtype: str, tensors: list[AdapterTensor]) -> str:
+    name = outtype.lower()
+    if name == "auto":
+        dtypes = {t.source.dtype for t in tensors}
+        return dtypes.pop().lower() if len(dtypes) == 1 else "f32"
+    if name not in ADAPTER_TYPES:
+        raise ConvertError(
+            f"adapters are written as f32, f16 or bf16, not {outtype!r}",
+            "pass --outtype auto, f32, f16 or bf16",
+        )
+    return name
+
+
+def _tensor_bytes(t: AdapterTensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    data = t.source.read()
+    if t.fn is None:
+        return outtypes.encode(data, t.source.dtype, qtype)
+    values = t.fn(outtypes.to_f32(data, t.source.dtype))
+    return outtypes.encode(np.ascontiguousarray(values), t.source.dtype, qtype, converted=True)
+
+
+def _write_adapter(
+    path: Path,
+    arch: str,
+    tensors: list[AdapterTensor],
+    qtype: gguf.GGMLQuantizationType,
+    metadata: Callable[[gguf.GGUFWriter], None],
+) -> None:
+    """Header first, then each tensor as it is read: never the whole adapter in memory."""
+    w = gguf.GGUFWriter(path=None, arch=arch)
+    for t in tensors:
+        nbytes = outtypes.nbytes(t.shape, qtype)
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    metadata(w)
+    w.write_header_to_file(path=path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    try:
+        for t in tensors:
+            w.write_tensor_data(_tensor_bytes(t, qtype))
+        assert w.fout is not None
+        w.fout[0].flush()
+        os.fsync(w.fout[0].fileno())
+    finally:
+        w.close()
+
+
+def convert_adapter(
+    adapter_dir: str | os.PathLike[str],
+    base: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    outtype: str = "auto",
+    name: str | None = None,
+    force: bool = False,
+    dry_run: bool = False,
+) -> AdapterResult:
+    """Convert a PEFT LoRA adapter folder to a llama.cpp GGUF LoRA adapter.
+
+    Args:
+        adapter_dir: folder with adapter_config.json and adapter_model.safetensors (or .bin).
+        base: the base model the adapter was trained on: its Hugging Face folder (config.json and
+            weights) or its GGUF file; every adapter tensor is checked against it.
+            `read_adapter(adapter_dir).base_model` tells which model the adapter names.
+        out: output .gguf path (default: ADAPTER_DIR/<folder>-<TYPE>-LoRA.gguf).
+        outtype: auto (the adapter's own dtype), f32, f16 or bf16.
+        name: general.name (default: the adapter folder name).
+        force: overwrite an existing output file.
+        dry_run: check and plan only; nothing is written.
+
+    Returns:
+        AdapterResult with the output path, ranks, alpha, targets and the time taken.
+
+    Raises:
+        ConvertError: not a LoRA adapter (IA3, prompt tuning, DoRA, ...), whole weights
+            (modules_to_save), a base it does not fit, bad files, an existing output.
+    """
+    start = time.monotonic()
+    adapter = read_adapter(adapter_dir)
+    hint = "pass the base model's Hugging Face folder or GGUF file with --base"
+    if adapter.base_model:
+        hint += f" (the adapter was trained on {adapter.base_model!r})"
+    base_model = open_base(base, hint)
+    tensors, skipped = gguf_adapter_tensors(adapter, base_model)
+    written = _adapter_outtype(outtype, tensors)
+    qtype = outtypes.DIRECT[written]
+    folder = Path(adapter_dir)
+    out_p = Path(out) if out is not None else folder / f"{adapter.name}-{written.upper()}-LoRA.gguf"
+    arch = base_model.arch.name
+    result = AdapterResult(
+        path=out_p,
+        arch=arch,
+        rank=adapter.rank,
+        ranks=adapter.ranks,
+        alpha=adapter.gguf_alpha,
+        targets=adapter.target_modules,
+        base_model=adapter.base_model,
+        n_tensors=len(tensors),
+        outtype=written,
+        skipped=tuple(skipped),
+        seconds=0.0,
+    )
+    if dry_run:
+        return result
+    check_target(out_p, force)
+    check_space(out_p.parent, sum(outtypes.nbytes(t.shape, qtype) for t in tensors))
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_name(name or adapter.name)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, adapter.gguf_alpha)
+        w.add_file_type(outtypes.DIRECT_FTYPE[qtype])
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if tokens := adapter.invocation_tokens:
+            w.add_key_value(
+                gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
+                tokens,
+                gguf.GGUFValueType.ARRAY,
+                gguf.GGUFValueType.UINT32,
+            )
+
+    with atomic_output(out_p) as tmp:
+        _write_adapter(tmp, arch, tensors, qtype, metadata)
+    return dataclasses.replace(result, seconds=time.monotonic() - start)

@@ -144,7 +144,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return _sharded_files(folder, "model.safetensors.index.json", "*.safetensors")
 
 
-def _load_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
+def load_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
+    """Index the tensors of safetensors files (read lazily, in file order)."""
     out: dict[str, SourceTensor] = {}
     for path in files:
         try:
@@ -217,7 +218,7 @@ def load_checkpoint(folder: Path) -> dict[str, SourceTensor]:
     """Index every weight of a Hugging Face folder (safetensors first, else pytorch_model*.bin)."""
     files = _safetensors_files(folder)
     if files:
-        return _load_safetensors(files)
+        return load_safetensors(files)
     bins = _bin_files(folder)
     if bins:
         out: dict[str, SourceTensor] = {}

@@ -1,7 +1,8 @@
 """Run llama.cpp on a GGUF in a child process (a native abort must fail one test, not the run).
 
 python _llama_probe.py REQUEST.json RESULT.npz
-request: {"model": path, "tokenize": [texts], "logits": [[ids]], "generate": {"ids": [...], "n": N}}
+request: {"model": path, "tokenize": [texts], "logits": [[ids]], "generate": {"ids": [...], "n": N},
+          "lora": [[adapter.gguf, scale], ...]}  (LoRA adapters applied to logits and generate)
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ def tokenize(llama_cpp, vocab, text: str) -> list[int]:  # noqa: ANN001
     if n < 0:
         raise RuntimeError(f"tokenize failed: {n}")
     return list(buf[:n])
+
+
+def set_adapters(llama_cpp, llm, loras: list) -> None:  # noqa: ANN001
+    """Load GGUF LoRA adapters and apply them with their scales (llama.cpp's low-level API)."""
+    import ctypes
+
+    handles = []
+    for path, _ in loras:
+        handle = llama_cpp.llama_adapter_lora_init(llm._model.model, str(path).encode())
+        if not handle:
+            raise SystemExit(f"adapter load failed: {path}")
+        handles.append(handle)  # freed with the model
+    n = len(handles)
+    adapters = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*handles)
+    scales = (ctypes.c_float * n)(*[float(scale) for _, scale in loras])
+    if llama_cpp.llama_set_adapters_lora(llm._ctx.ctx, adapters, n, scales) != 0:
+        raise SystemExit("llama_set_adapters_lora failed")
 
 
 def main() -> None:
@@ -49,6 +67,8 @@ def main() -> None:
             type_k=0,
             type_v=0,
         )  # F32 KV cache: compare the weights, not the cache
+        if req.get("lora"):
+            set_adapters(llama_cpp, llm, req["lora"])
         for i, ids in enumerate(req.get("logits") or []):
             llm.reset()
             llm.eval(ids)

@@ -47,8 +47,9 @@ def llama_probe(
     logits: list[list[int]] | None = None,
     generate: dict | None = None,
     n_ctx: int = 512,
+    lora: list[tuple[Path, float]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Run llama.cpp on a GGUF in a child process and return its arrays."""
+    """Run llama.cpp on a GGUF (with GGUF LoRA adapters and scales) in a child process."""
     req_path = model.with_suffix(".probe.json")
     out_path = model.with_suffix(".probe.npz")
     req = {
@@ -57,6 +58,7 @@ def llama_probe(
         "logits": logits,
         "generate": generate,
         "n_ctx": n_ctx,
+        "lora": [[str(path), float(scale)] for path, scale in lora or ()],
     }
     req_path.write_text(json.dumps(req))
     proc = subprocess.run(
