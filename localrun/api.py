@@ -6,9 +6,11 @@ subclasses; engines run in worker processes so that their crashes become errors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
 
 if TYPE_CHECKING:
+    from localrun.adapters import Target
     from localrun.pool import Pool
 
 
@@ -53,19 +56,73 @@ def get_model(name_or_path: str) -> ModelInfo:
     return store().get(name_or_path)
 
 
-def add_model(path: str | os.PathLike[str], name: str | None = None, replace: bool = False) -> ModelInfo:
+def add_model(path: str | os.PathLike[str], name: str | None = None, replace: bool = False,
+              converted_from: str | os.PathLike[str] | None = None) -> ModelInfo:
     """Register an existing model file or folder in place (no copy).
 
     Args:
         path: a .gguf file, or an MLX / Hugging Face model folder.
         name: the short name (`family:tag`); derived from the file name when omitted.
         replace: allow replacing an existing registration of the same name.
+        converted_from: the checkpoint folder it was converted from (adapters of that
+            checkpoint then find it as their base).
 
     Raises:
         BadModelFileError: the file is not a valid model.
         UsageError: the name is invalid or taken.
     """
-    return store().add(path, name=name, replace=replace)
+    extra = {"converted_from": os.path.abspath(converted_from)} if converted_from else None
+    return store().add(path, name=name, replace=replace, extra=extra)
+
+
+def resolve_target(name: str, lora: Sequence[str] = ()) -> Target:
+    """The base model and LoRA adapters to run for a model name and --lora values.
+
+    Args:
+        name: a model; an adapter (its base runs with it applied); or `base+adapter[:scale]+...`.
+        lora: more adapters, each `NAME[:SCALE]` (a store name, a GGUF adapter, or a PEFT folder).
+
+    Returns:
+        adapters.Target: .model (load it), .adapters, .load_options(options, engine) and
+        .params(params, engine) put the adapters where that engine applies them.
+
+    Raises:
+        ModelNotFoundError, UsageError (not an adapter, an adapter for another architecture).
+    """
+    from localrun import adapters
+
+    return adapters.resolve(store(), name, lora)
+
+
+def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether path is a PEFT adapter folder (adapter_config.json)."""
+    return Path(path, "adapter_config.json").is_file()
+
+
+def convert_adapter(adapter_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
+                    base: str | None = None, outtype: str = "auto", name: str | None = None, force: bool = False,
+                    dry_run: bool = False, register: bool = True) -> tuple[Any, ModelInfo | None]:
+    """Convert a PEFT LoRA folder to a GGUF adapter and register it linked to its base model.
+
+    Args:
+        adapter_dir: the folder with adapter_config.json and adapter_model.safetensors.
+        out: the output .gguf (default: inside the adapter folder).
+        base: the base model (a store name, a GGUF file or a Hugging Face folder); default: the
+            adapter's base_model_name_or_path, looked up in the store, on disk and in the HF cache.
+        outtype: auto (the adapter's own precision), f32, f16 or bf16.
+        name: the store name (default: `<folder>:lora`).
+
+    Returns:
+        (convert.AdapterResult, the registered ModelInfo or None when not registered).
+
+    Raises:
+        ConversionError (unsupported adapter, shape mismatch), ModelNotFoundError (no base), UsageError.
+    """
+    from localrun import adapters
+
+    result, info, _ = adapters.convert_and_register(store(), adapter_dir, out, base=base, outtype=outtype, name=name,
+                                                    force=force, dry_run=dry_run, register=register)
+    return result, info
 
 
 def remove_model(name: str) -> ModelInfo:
@@ -165,6 +222,24 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
     return Pool(load, get_model, options, engine, max_loaded=max_loaded, keep_alive=keep_alive)
 
 
+@contextmanager
+def use_target(pool: Pool, target: Target, keep_alive: float | None = None) -> Iterator[tuple[Session, str]]:
+    """A pooled session for a model with adapters, and its engine (give `target.params(params,
+    engine)` to each request).
+
+    llama.cpp keeps one base model loaded and applies each request's adapters; MLX applies
+    adapters when it loads, so a model with adapters is loaded apart from the bare base.
+    """
+    engine = choose_engine(target.model, pool.engine)
+    if engine == "mlx" and target.adapters:
+        info = dataclasses.replace(target.model, name=target.name)
+        with pool.use(info, keep_alive, options=target.load_options(pool.options, engine)) as session:
+            yield session, engine
+    else:
+        with pool.use(target.model, keep_alive) as session:
+            yield session, engine
+
+
 def generate(
     session: Session, request: Request, params: GenerationParams | None = None, cancel: Cancel | None = None
 ) -> Generator[Chunk, None, None]:
@@ -225,6 +300,7 @@ def convert_checkpoint(
     force: bool = False,
     dry_run: bool = False,
     progress: Any = None,
+    lora: Sequence[tuple[str, float]] = (),
 ) -> Any:
     """Convert a Hugging Face checkpoint folder to GGUF without registering it.
 
@@ -236,6 +312,7 @@ def convert_checkpoint(
         force: overwrite an existing output file.
         dry_run: only plan (the plan is in the result); nothing is written.
         progress: called after each tensor with a convert.Progress event.
+        lora: PEFT LoRA folders and scales merged into the weights before conversion.
 
     Returns:
         convert.Result: the output path, the plan and the time taken.
@@ -247,7 +324,7 @@ def convert_checkpoint(
 
     try:
         return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
-                               progress=progress)
+                               progress=progress, lora=list(lora) or None)
     except convert.ConvertError as e:
         raise ConversionError(e.message, e.hint) from e
 
@@ -275,7 +352,7 @@ def convert_model(
         UsageError: the name is taken (and force is not set).
     """
     result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
-    return add_model(result.path, name=name, replace=force)
+    return add_model(result.path, name=name, replace=force, converted_from=src)
 
 
 def doctor() -> dict[str, Any]:

@@ -315,6 +315,9 @@ def _check_model(meta: GGUFMeta) -> None:
         raise BadModelFileError(
             f"'{shown}' holds no tensors (a vocabulary-only file?)", "pass a complete model file"
         )
+    if meta.metadata.get("general.type") == "adapter":
+        _check_adapter(meta)
+        return
     n_vocab = meta.vocab_size
     if n_vocab == 0:
         raise BadModelFileError(f"'{shown}' has no vocabulary (tokenizer.ggml.tokens)", "convert the model again")
@@ -342,6 +345,21 @@ def _check_model(meta: GGUFMeta) -> None:
                 f" (e.g. {missing[0]}); llama.cpp would crash on text that needs them",
                 "convert the model again with 'localrun convert'",
             )
+
+
+def _check_adapter(meta: GGUFMeta) -> None:
+    """A LoRA adapter holds lora_a/lora_b pairs and no vocabulary (it runs on its base model's)."""
+    shown = meta.path
+    kind = meta.metadata.get("adapter.type")
+    if kind != "lora":
+        raise BadModelFileError(f"'{shown}' is a {kind or 'untyped'} adapter; localrun runs LoRA adapters",
+                                "convert the PEFT adapter folder with 'localrun convert ADAPTER_DIR'")
+    names = {t.name for t in meta.tensors}
+    unpaired = sorted(n for n in names if n.endswith((".lora_a", ".lora_b"))
+                      and (n[:-1] + ("b" if n.endswith("a") else "a")) not in names)
+    if unpaired:
+        raise BadModelFileError(f"'{shown}' has an unpaired LoRA tensor '{unpaired[0]}'",
+                                "convert the adapter again with 'localrun convert ADAPTER_DIR'")
 
 
 def quantization_name(meta: GGUFMeta) -> str | None:

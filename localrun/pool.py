@@ -40,8 +40,9 @@ class LoadedModel:
 
 
 class _Entry:
-    def __init__(self, model: ModelInfo) -> None:
+    def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         self.model = model
+        self.options = options
         self.session: Session | None = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -73,20 +74,23 @@ class Pool:
 
     # -- using a model ----------------------------------------------------------------------
     @contextmanager
-    def use(self, model: str | ModelInfo, keep_alive: float | None = None) -> Iterator[Session]:
+    def use(self, model: str | ModelInfo, keep_alive: float | None = None,
+            options: LoadOptions | None = None) -> Iterator[Session]:
         """The model's session, loaded if needed, held for the block.
 
         Args:
-            model: a store name or a ModelInfo.
+            model: a store name or a ModelInfo (loaded models are told apart by its name).
             keep_alive: seconds to stay loaded after this use (None: the pool's default;
                 negative or inf: forever; 0: unload when the last user leaves).
+            options: load options for this model instead of the pool's (MLX adapters applied at
+                load: the model then goes under its own name, e.g. base+adapter).
 
         Raises:
             ModelNotFoundError, BadModelFileError, BackendUnavailableError, EngineError (load
             failed or not enough memory), ServerBusyError (every loaded model is in use).
         """
         info = model if isinstance(model, ModelInfo) else self._resolve(model)
-        entry = self._acquire(info)
+        entry = self._acquire(info, options or self.options)
         try:
             assert entry.session is not None
             yield entry.session
@@ -98,7 +102,7 @@ class Pool:
         with self.use(model, keep_alive=-1) as s:
             return s
 
-    def _acquire(self, info: ModelInfo) -> _Entry:
+    def _acquire(self, info: ModelInfo, options: LoadOptions) -> _Entry:
         while True:
             with self._lock:
                 if self._closed:
@@ -115,7 +119,7 @@ class Pool:
                     entry = None
                 if entry is None:
                     self._make_room(info)
-                    entry = _Entry(info)
+                    entry = _Entry(info, options)
                     entry.users = 1
                     self._entries[info.name] = entry
                     loading = True
@@ -129,7 +133,7 @@ class Pool:
 
     def _load_entry(self, entry: _Entry) -> _Entry:
         try:
-            entry.session = self._loader(entry.model, self.options, engine=self.engine, event_loop=self.event_loop)
+            entry.session = self._loader(entry.model, entry.options, engine=self.engine, event_loop=self.event_loop)
         except BaseException as e:
             entry.error = e
             with self._lock:

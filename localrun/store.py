@@ -67,6 +67,12 @@ class ModelInfo:
     quantization: str | None = None
     context_length: int | None = None
     details: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    kind: str = "model"  # "model", or "adapter" (a LoRA adapter, run on its base model)
+    base: str | None = None  # an adapter's base model in the store, when known
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.kind == "adapter"
 
     def to_dict(self, with_details: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; details only when asked."""
@@ -81,6 +87,9 @@ class ModelInfo:
             "quantization": self.quantization,
             "context_length": self.context_length,
         }
+        if self.is_adapter:
+            out["kind"] = self.kind
+            out["base"] = self.base
         if with_details:
             out.update(self.details)
         return out
@@ -204,15 +213,15 @@ class Store:
             self._write(data)
 
     # -- discovery -----------------------------------------------------------------------
-    def _entries(self) -> list[tuple[str, str, str, str]]:
-        """(name, path, format, source) of every model, registered first."""
+    def _entries(self) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+        """(name, path, format, source, registry entry) of every model, registered first."""
         data = self._read()
         hidden = set(data["hidden"])
-        out: list[tuple[str, str, str, str]] = []
+        out: list[tuple[str, str, str, str, dict[str, Any]]] = []
         seen_paths: set[str] = set()
         names: set[str] = set()
         for name, entry in sorted(data["models"].items()):
-            out.append((name, entry["path"], entry.get("format", "gguf"), entry.get("source", "added")))
+            out.append((name, entry["path"], entry.get("format", "gguf"), entry.get("source", "added"), entry))
             seen_paths.add(os.path.realpath(entry["path"]))
             names.add(name)
         for name, path, source in self._discovered():
@@ -223,7 +232,7 @@ class Store:
                 name = f"{name}-{len(names)}"
             seen_paths.add(real)
             names.add(name)
-            out.append((name, path, "gguf", source))
+            out.append((name, path, "gguf", source, {}))
         return out
 
     def _discovered(self) -> Iterator[tuple[str, str, str]]:
@@ -236,11 +245,11 @@ class Store:
     def list(self) -> list[ModelInfo]:
         """Every installed model that exists on disk, with its header metadata."""
         infos = []
-        for name, path, fmt, source in self._entries():
+        for name, path, fmt, source, entry in self._entries():
             if not os.path.exists(path):
                 continue
             try:
-                infos.append(self._info(name, path, fmt, source))
+                infos.append(self._info(name, path, fmt, source, entry))
             except BadModelFileError as e:
                 infos.append(ModelInfo(name, path, fmt, source, _size(path), details={"error": e.message}))
         return infos
@@ -260,13 +269,13 @@ class Store:
             if len(family) == 1:
                 entry = family[0]
         if entry is not None:
-            name, path, fmt, source = entry
+            name, path, fmt, source, extra = entry
             if not os.path.exists(path):
                 raise ModelNotFoundError(
                     f"model '{name}' is registered but its file '{path}' is gone",
                     f"run 'localrun rm {name}' and install it again",
                 )
-            return self._info(name, path, fmt, source)
+            return self._info(name, path, fmt, source, extra)
         candidate = Path(name_or_path).expanduser()
         if candidate.exists() or os.sep in name_or_path or name_or_path.endswith(".gguf"):
             path = str(candidate.resolve()) if candidate.exists() else str(candidate)
@@ -284,9 +293,14 @@ class Store:
         raise ModelNotFoundError(f"model '{name_or_path}' is not installed", hint)
 
     def add(
-        self, path: str | os.PathLike[str], name: str | None = None, source: str = "added", replace: bool = False
+        self, path: str | os.PathLike[str], name: str | None = None, source: str = "added", replace: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> ModelInfo:
-        """Register a model file or folder in place (no copy) under a short name."""
+        """Register a model file or folder in place (no copy) under a short name.
+
+        extra: more facts kept with the entry (an adapter's base and PEFT folder, the folder a
+        conversion came from).
+        """
         # Keep the path as given (absolute), not its link target: a Hugging Face snapshot link
         # must stay a link, since llama.cpp finds the other parts of a split GGUF by name.
         p = Path(os.path.abspath(Path(path).expanduser()))
@@ -308,15 +322,30 @@ class Store:
                     f"a model named '{new_name}' is already installed ({existing['path']})",
                     "choose another name with --name, or remove it first with 'localrun rm'",
                 )
-            data["models"][new_name] = {
+            record = {
+                **(extra or {}),
                 "path": str(p),
                 "format": fmt,
                 "source": source,
                 "added_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
+            data["models"][new_name] = record
             if new_name in data["hidden"]:
                 data["hidden"].remove(new_name)
-        return self._info(new_name, str(p), fmt, source)
+        return self._info(new_name, str(p), fmt, source, record)
+
+    def adapters_of(self, base: str) -> builtins.list[ModelInfo]:
+        """The registered adapters whose base is this model."""
+        return [m for m in self.list() if m.is_adapter and m.base == base]
+
+    def converted_from(self, folder: str | os.PathLike[str]) -> builtins.list[str]:
+        """Names of registered models converted from this checkpoint folder (newest first)."""
+        real = os.path.realpath(folder)
+        data = self._read()
+        found = [(e.get("added_at", ""), n) for n, e in data["models"].items()
+                 if e.get("converted_from") and os.path.realpath(e["converted_from"]) == real
+                 and e.get("kind", "model") == "model" and os.path.exists(e["path"])]
+        return [n for _, n in sorted(found, reverse=True)]
 
     def remove(self, name: str) -> ModelInfo:
         """Unregister a model; files the store owns are deleted, files added in place are kept."""
@@ -336,7 +365,7 @@ class Store:
                     _delete_hf_cache_file(part)
         return info
 
-    def _info(self, name: str, path: str, fmt: str, source: str) -> ModelInfo:
+    def _info(self, name: str, path: str, fmt: str, source: str, entry: dict[str, Any] | None = None) -> ModelInfo:
         try:
             st = os.stat(path)
         except OSError as e:
@@ -358,7 +387,9 @@ class Store:
             parameters=base.parameters,
             quantization=base.quantization,
             context_length=base.context_length,
-            details=base.details,
+            details={**base.details, **({"adapter": entry["adapter"]} if entry and entry.get("adapter") else {})},
+            kind=base.kind,
+            base=(entry or {}).get("base"),
         )
 
 
@@ -399,9 +430,10 @@ def _read_info(path: str, fmt: str) -> ModelInfo:
             "tensors": len(meta.tensors),
             "gguf_version": meta.version,
         }
+        kind = "adapter" if meta.metadata.get("general.type") == "adapter" else "model"
         return ModelInfo(
             "", path, fmt, "", size, meta.architecture, parameters, meta.quantization,
-            meta.context_length, details,
+            meta.context_length, details, kind=kind,
         )
     folder = Path(path)
     cfg: dict[str, Any] = {}

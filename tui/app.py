@@ -95,7 +95,7 @@ class LocalrunApp(App[None]):
         from localrun.errors import LocalrunError
 
         try:
-            name = api.get_model(model).name
+            name = api.resolve_target(model).name  # an adapter opens as base+adapter
         except LocalrunError as e:
             self.notify(str(e), severity="error", timeout=10)
             return

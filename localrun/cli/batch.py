@@ -18,6 +18,7 @@ from localrun.cli.options import (
     int_in,
     load_options_from_args,
     params_from_args,
+    target_from_args,
     tool_plan_from_args,
 )
 
@@ -59,6 +60,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     params = params_from_args(args)
     options = load_options_from_args(args, n_parallel=args.parallel)
+    target, engine = target_from_args(args)
+    params, options = target.params(params, engine), target.load_options(options, engine)
     fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
     rows = batching.read_input(args.input, params, args.system, args.raw)
@@ -71,14 +74,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not rows:
         report.summary()
         return 0
-    model = api.get_model(args.model)
+    model = target.model
     plan = tool_plan_from_args(args, model)
     if plan is not None:
         rows, params = batching.with_tools(rows, params, plan), plan.params(params)
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
         limit = min(model.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
-    session = api.load(model, options, engine=args.engine)
+    session = api.load(model, options, engine=engine)
     writer = batching.Writer(args.output, fmt, append=args.resume)
     cancel = threading.Event()
     previous = _on_ctrl_c(cancel)

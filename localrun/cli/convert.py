@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=cmd_convert.__doc__,
     )
     p.add_argument(
-        "src", metavar="SRC", help="Hugging Face model folder (config.json, weights, tokenizer)"
+        "src", metavar="SRC", help="Hugging Face model folder (config.json, weights, tokenizer), or a PEFT LoRA "
+        "adapter folder (adapter_config.json): converted to a GGUF adapter for its base model"
     )
     p.add_argument(
         "-o", "--output", metavar="OUT", help="output .gguf (default: SRC/<name>-<TYPE>.gguf)"
@@ -41,6 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-register", action="store_true", help="do not add the result to the model store"
     )
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--base", metavar="MODEL|PATH",
+                   help="with an adapter folder: its base model (a name from 'localrun list', a GGUF file or a Hugging "
+                   "Face folder; default: the adapter's base_model_name_or_path, found in the store, on disk or in the "
+                   "Hugging Face cache)")
+    g.add_argument("--lora", action="append", default=[], metavar="ADAPTER_DIR[:SCALE]",
+                   help="merge this PEFT LoRA adapter into the weights before conversion and quantization (repeatable)")
     # MLX output (localrun/mlx_convert.py, through mlx-lm's converter).
     p.add_argument("--to", choices=("gguf", "mlx"), default="gguf", help="output format (default gguf)")
     p.add_argument("--q-bits", type=int, choices=(4, 8), help="with --to mlx: quantize to 4 or 8 bits")
@@ -88,10 +96,10 @@ def _convert_module() -> Any:
     return convert
 
 
-def _register(path: Any, name: str | None, replace: bool = False) -> None:
+def _register(path: Any, name: str | None, replace: bool = False, converted_from: str | None = None) -> None:
     from localrun import api
 
-    info = api.add_model(path, name=name, replace=replace)
+    info = api.add_model(path, name=name, replace=replace, converted_from=converted_from)
     print(f"registered as {info.name}", file=sys.stderr)
 
 
@@ -103,14 +111,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     temporary F16/BF16 file. The result is registered in the model store and its path printed.
 
     With --to mlx: an MLX folder through mlx-lm (weights keep their precision unless --q-bits).
+
+    A PEFT LoRA folder (adapter_config.json) becomes a GGUF LoRA adapter, checked against its base
+    model and registered linked to it: run it by its name, or with --lora on run, batch, tui, serve.
+    --lora ADAPTER_DIR[:SCALE] merges adapters into the weights instead (one file to share).
     """
-    if args.to == "mlx" or args.q_bits is not None:
-        return _convert_mlx(args)
     from localrun import api
 
+    if api.is_adapter_dir(args.src):
+        return _convert_adapter(args)
+    if args.base is not None:
+        raise UsageError("--base is for converting a LoRA adapter folder",
+                         "to merge an adapter into this model, use --lora ADAPTER_DIR")
+    if args.to == "mlx" or args.q_bits is not None:
+        return _convert_mlx(args)
+    lora = [_lora_spec(s) for s in args.lora]
     progress = None if args.dry_run else _convert_module().StderrProgress()
     res = api.convert_checkpoint(args.src, args.output, outtype=args.outtype, imatrix=args.imatrix,
-                                 force=args.force, dry_run=args.dry_run, progress=progress)
+                                 force=args.force, dry_run=args.dry_run, progress=progress, lora=lora)
     if args.dry_run:
         print(res.plan.describe())
         return 0
@@ -119,8 +137,44 @@ def cmd_convert(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if not args.no_register:
-        _register(res.path, args.name, replace=args.force)
+        _register(res.path, args.name, replace=args.force, converted_from=None if lora else args.src)
     print(res.path)
+    return 0
+
+
+def _lora_spec(spec: str) -> tuple[str, float]:
+    """`ADAPTER_DIR[:SCALE]` for --lora (merging): a PEFT folder and its scale."""
+    from pathlib import Path
+
+    from localrun import api
+    from localrun.adapters import parse_spec
+
+    folder, scale = parse_spec(spec)
+    if not api.is_adapter_dir(folder):
+        raise UsageError(f"--lora {spec}: {folder} is not a PEFT adapter folder (no adapter_config.json)",
+                         "pass the folder PEFT saved (adapter_config.json, adapter_model.safetensors)")
+    return str(Path(folder).resolve()), scale
+
+
+def _convert_adapter(args: argparse.Namespace) -> int:
+    """`convert ADAPTER_DIR`: a GGUF LoRA adapter, registered linked to its base model."""
+    from localrun import api
+
+    if args.to != "gguf" or args.q_bits is not None or args.imatrix or args.lora:
+        raise UsageError("an adapter folder converts to a GGUF adapter; --to mlx, --q-bits, --imatrix and --lora "
+                         "do not apply", "MLX runs the PEFT folder itself: localrun run BASE --engine mlx --lora DIR")
+    result, info = api.convert_adapter(args.src, args.output, base=args.base, outtype=args.outtype, name=args.name,
+                                       force=args.force, dry_run=args.dry_run, register=not args.no_register)
+    if args.dry_run:
+        print(result.describe() if hasattr(result, "describe") else result.path)
+        return 0
+    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.1f} MB, rank {result.rank}, "
+          f"{result.tensors} tensors) in {result.seconds:.1f}s", file=sys.stderr)
+    if info is not None:
+        base = f" (base: {info.base})" if info.base else \
+            " (its base model is not in the store; run it with 'localrun run BASE --lora NAME')"
+        print(f"registered as {info.name}{base}", file=sys.stderr)
+    print(result.path)
     return 0
 
 
@@ -130,6 +184,9 @@ def _convert_mlx(args: argparse.Namespace) -> int:
 
     if args.to != "mlx":
         raise UsageError("--q-bits is for MLX output", "add --to mlx, or use --outtype for GGUF")
+    if args.lora:
+        raise UsageError("--lora merges adapters into GGUF output",
+                         "MLX runs the PEFT folder as it is: localrun run MODEL --engine mlx --lora ADAPTER_DIR")
     if args.outtype != "auto" or args.imatrix or args.dry_run or args.force or args.no_register:
         raise UsageError("--outtype, --imatrix, --dry-run, --force and --no-register are for GGUF output",
                          "with --to mlx use -o, --name, --q-bits and --q-group-size")

@@ -56,11 +56,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     rows = [
         [m.name, m.format, m.architecture or "-", human_count(m.parameters), m.quantization or "-",
-         human_size(m.size), str(m.context_length or "-"), m.details.get("error", "")]
+         human_size(m.size), str(m.context_length or "-"), m.details.get("error", "") or _adapter_note(m)]
         for m in models
     ]
     print(_table(rows, ["NAME", "FORMAT", "ARCH", "PARAMS", "QUANT", "SIZE", "CONTEXT", ""]))
     return 0
+
+
+def _adapter_note(m: Any) -> str:
+    if not m.is_adapter:
+        return ""
+    return f"LoRA adapter of {m.base}" if m.base else "LoRA adapter (base not in the store)"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -83,6 +89,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
     ]
+    if m.is_adapter:
+        a = d.get("adapter") or {}
+        meta_alpha = (d.get("metadata") or {}).get("adapter.lora.alpha")
+        rows[1:1] = [("kind", "LoRA adapter"), ("base", m.base or "not in the store (run it with --lora on its base)"),
+                     ("base model", a.get("base_model")), ("rank", a.get("rank")),
+                     ("alpha", a.get("alpha", meta_alpha)), ("targets", ", ".join(a.get("targets") or []) or None),
+                     ("PEFT folder", a.get("peft"))]
+    else:
+        adapters = [x.name for x in api.store().adapters_of(m.name)]
+        if adapters:
+            rows.append(("adapters", ", ".join(adapters)))
     for key, value in rows:
         if value is not None:
             print(f"{key:<16}{value}")

@@ -148,6 +148,18 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                    help="layers to offload to the GPU (default auto: all that fit)")
     g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
     g.add_argument("--engine", choices=("llama.cpp", "mlx"), help="force an engine")
+    g.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
+                   help="apply a LoRA adapter (a name from 'localrun list', a GGUF adapter file, or a PEFT folder "
+                        "for MLX) at this scale (default 1); repeatable")
+
+
+def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any:
+    """The model and adapters that --lora and the model name (maybe an adapter, or base+adapter) ask for,
+    and the engine that runs them."""
+    from localrun import api
+
+    target = api.resolve_target(args.model, getattr(args, "lora", None) or ())
+    return target, api.choose_engine(target.model, engine if engine is not None else getattr(args, "engine", None))
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:

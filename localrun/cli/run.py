@@ -14,6 +14,7 @@ from localrun.cli.options import (
     add_tool_flags,
     load_options_from_args,
     params_from_args,
+    target_from_args,
     tool_plan_from_args,
 )
 
@@ -50,9 +51,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--json needs a prompt", "pass a prompt, or '-' to read it from stdin")
     if args.tools is not None and not (args.json and prompt is not None and not args.raw):
         raise UsageError("--tools needs --json and a chat prompt", "the reply's tool calls come back in the JSON")
-    model = api.get_model(args.model)
+    target, engine = target_from_args(args)
+    model = target.model
     plan = tool_plan_from_args(args, model)
-    session = api.load(model, options, engine=args.engine)
+    params = target.params(params, engine)
+    session = api.load(model, target.load_options(options, engine), engine=engine)
     if args.verbose:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"

@@ -102,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from localrun.server import is_loopback
         from localrun.server.app import ServerConfig, create_app
 
-        config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull)
+        config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
+                              lora=_default_adapters(args.lora))
         pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
         if not is_loopback(args.host):
@@ -128,6 +129,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _default_adapters(specs: list[str]) -> tuple[tuple[str, float], ...]:
+    """`serve --lora NAME[:SCALE]`: registered adapters with a base, checked before serving."""
+    from localrun import adapters, api
+    from localrun.errors import UsageError
+
+    out = []
+    for spec in specs:
+        name, scale = adapters.parse_spec(spec)
+        info = adapters.find_adapter(api.store(), name)
+        if not info.is_adapter or info.format != "gguf" or info.source == "path":
+            raise UsageError(f"--lora {spec}: serve applies adapters registered in the store",
+                             "convert and register it first: localrun convert ADAPTER_DIR")
+        adapters.base_of(api.store(), info)  # fails now when its base is not installed
+        out.append((info.name, scale))
+    return tuple(out)
 
 
 def _stop(signum: int, frame: Any) -> None:

@@ -35,14 +35,23 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 def app_from_args(args: argparse.Namespace) -> Any:
     """The app with the command line's settings (flags are validated here, before the UI starts)."""
+    from localrun.errors import UsageError
     from tui.app import LocalrunApp
 
+    lora = getattr(args, "lora", None) or []
+    model = getattr(args, "model", None)
+    if lora and not model:
+        raise UsageError("--lora needs a MODEL to apply the adapters to", "e.g. localrun tui BASE --lora ADAPTER")
+    if lora and model:
+        from localrun import api
+
+        model = api.resolve_target(model, lora).name  # checked now; the chat runs base+adapter
     return LocalrunApp(
         params=params_from_args(args),
         load_options=load_options_from_args(args),
         engine=getattr(args, "engine", None),
         system=getattr(args, "system", None),
-        model=getattr(args, "model", None),
+        model=model,
         theme="textual-light" if getattr(args, "light", False) else None,
     )
 

@@ -12,10 +12,14 @@ import ipaddress
 import math
 import re
 import socket
+from typing import TYPE_CHECKING, Any
 
 from localrun import api
 from localrun.errors import ModelNotFoundError, UsageError
 from localrun.store import ModelInfo, normalize_name
+
+if TYPE_CHECKING:
+    from localrun.adapters import Target
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -72,6 +76,30 @@ def resolve_model(name: str) -> ModelInfo:
     hint = f"did you mean {', '.join(repr(display_name(c)) for c in close)}?" if close else \
         "list the installed models with GET /api/tags or /v1/models"
     raise ModelNotFoundError(f"model '{name}' is not installed", hint)
+
+
+def resolve_target(name: str, lora: list[Any] | None = None,
+                   defaults: tuple[tuple[str, float], ...] = ()) -> Target:
+    """The base model and adapters of a request: `model` may name an adapter (its base runs with
+    it) or `base+adapter[:scale]+...` (Ollama-style), and `lora` (an extension) adds adapters as
+    [{"name", "scale"}]. Like models, adapters resolve only through the store, never as paths.
+    A request that names no adapters (no `+`, no `lora`, not an adapter) for the base of one of
+    `defaults` (serve --lora) runs with those."""
+    from localrun import adapters
+
+    parts = name.split("+")
+    base = resolve_model(parts[0])
+    refs: list[tuple[ModelInfo, float]] = []
+    for spec in parts[1:]:
+        adapter_name, scale = adapters.parse_spec(spec)
+        refs.append((resolve_model(adapter_name), scale))
+    refs += [(resolve_model(ref.name), float(ref.scale)) for ref in lora or ()]
+    if not refs and lora is None and not base.is_adapter:
+        for adapter_name, scale in defaults:
+            adapter = resolve_model(adapter_name)
+            if adapter.base == base.name:
+                refs.append((adapter, scale))
+    return adapters.make_target(api.store(), base, refs)
 
 
 # -- who may call -------------------------------------------------------------------------------

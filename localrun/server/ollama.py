@@ -18,10 +18,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from localrun import api
 from localrun import format as fmt
+from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
-from localrun.server import display_name, errors, resolve_model
+from localrun.server import display_name, errors, resolve_model, resolve_target
 from localrun.server.schemas import (
     OllamaChatRequest,
     OllamaDeleteRequest,
@@ -91,6 +92,10 @@ async def _model(name: str) -> ModelInfo:
     return await asyncio.to_thread(resolve_model, name)
 
 
+async def _target(request: HttpRequest, name: str, lora: list[Any] | None) -> Target:
+    return await asyncio.to_thread(resolve_target, name, lora, config_of(request).lora)
+
+
 def _digest(m: ModelInfo) -> str:
     """A stable identifier of the installed file (hashing gigabytes per listing would be too slow)."""
     try:
@@ -142,10 +147,10 @@ async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: M
     return JSONResponse({"model": body.model, "created_at": _now(), **reply, "done": True, "done_reason": "load"})
 
 
-async def _answer(request: HttpRequest, body: OllamaGenerating, model: ModelInfo, req: Request, params: GenerationParams,
+async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, req: Request, params: GenerationParams,
                   key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
-    run = generate(request, model, [Job(req, params)], body.keep_alive_seconds())
+    run = generate(request, target, [Job(req, params)], body.keep_alive_seconds())
     await run.begin()
 
     def piece(text: str) -> Any:
@@ -246,7 +251,8 @@ def _message(m: Any) -> dict[str, Any]:
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
-    model = await _model(body.required_model())
+    target = await _target(request, body.required_model(), body.lora)
+    model = target.model
     params = body.generation()
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
@@ -255,14 +261,15 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     if plan:
         params = plan.params(params)
-    return await _answer(request, body, model, req, params, "message", plan)
+    return await _answer(request, body, target, req, params, "message", plan)
 
 
 @router.post("/api/generate")
 async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Response:
     """A completion of the prompt (templated as a user turn unless raw); an empty prompt loads
     or unloads the model."""
-    model = await _model(body.required_model())
+    target = await _target(request, body.required_model(), body.lora)
+    model = target.model
     params = body.generation()
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})
@@ -272,7 +279,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
         req = Request.chat(messages)
-    return await _answer(request, body, model, req, params, "response")
+    return await _answer(request, body, target, req, params, "response")
 
 
 # -- embeddings -----------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from localrun import api
+from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
-from localrun.server import display_name, errors, resolve_model
+from localrun.server import display_name, errors, resolve_model, resolve_target
 from localrun.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,6 +34,7 @@ from localrun.server.streams import (
     Job,
     Run,
     RunResponse,
+    config_of,
     embed,
     fit_vector,
     generate,
@@ -145,6 +147,10 @@ async def _model(name: str) -> ModelInfo:
     return await asyncio.to_thread(resolve_model, name)
 
 
+async def _target(request: HttpRequest, name: str, lora: list[Any] | None) -> Target:
+    return await asyncio.to_thread(resolve_target, name, lora, config_of(request).lora)
+
+
 def _model_object(m: ModelInfo) -> dict[str, Any]:
     try:
         created = int(os.stat(m.path).st_mtime)
@@ -175,7 +181,8 @@ async def retrieve_model(model_id: str) -> dict[str, Any]:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
     """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
-    model = await _model(body.model)
+    target = await _target(request, body.model, body.lora)
+    model = target.model
     params = body.generation()
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
@@ -183,9 +190,9 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     if plan:
         params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
-    run = generate(request, model, jobs, None)
+    run = generate(request, target, jobs, None)
     await run.begin()
-    name = display_name(model.name)
+    name = display_name(target.name)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
             "system_fingerprint": "localrun"}
     if body.stream:
@@ -300,15 +307,15 @@ async def _sse_stream(events: AsyncIterator[bytes], run: Run, jobs: list[Job], b
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
     """Plain-text continuations of each prompt (n per prompt), streamed or as one JSON object."""
-    model = await _model(body.model)
+    target = await _target(request, body.model, body.lora)
     params = body.generation()
     if body.echo and body.logprobs is not None:
         raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
     prompts = body.prompts()
     jobs = [Job(Request.raw(p), _seeded(params, j), k) for k, p in enumerate(prompts) for j in range(body.n)]
-    run = generate(request, model, jobs, None)
+    run = generate(request, target, jobs, None)
     await run.begin()
-    name = display_name(model.name)
+    name = display_name(target.name)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
             "system_fingerprint": "localrun"}
     echo = [prompts[job.prompt_index] if body.echo else "" for job in jobs]

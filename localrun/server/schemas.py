@@ -51,9 +51,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class LoraRef(_Body):
+    """A LoRA adapter applied to one request (an extension of both APIs): a name from the store."""
+
+    name: Annotated[str, Field(min_length=1)]
+    scale: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+
+
 class Sampling(_Body):
     """Sampling and stopping fields common to chat and text completions."""
 
+    lora: list[LoraRef] | None = None
     temperature: Annotated[float | None, Field(ge=0)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
     min_p: Annotated[float | None, Field(ge=0, le=1)] = None
@@ -235,6 +243,7 @@ class _Loading(_Named):
 class OllamaGenerating(_Loading):
     """Fields common to /api/chat and /api/generate."""
 
+    lora: list[LoraRef] | None = None
     stream: bool = True
     format: Any = None
     think: bool | str | None = None

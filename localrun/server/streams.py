@@ -14,16 +14,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from localrun import api
 from localrun.errors import EngineError, LocalrunError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, is_loopback
 from localrun.store import ModelInfo
+
+if TYPE_CHECKING:
+    from localrun.adapters import Target
 
 MAX_BODY = 32 << 20  # bytes; a bigger request body gets 413
 T = TypeVar("T")
@@ -64,6 +68,9 @@ class ServerConfig:
     origins: tuple[str, ...] = ()
     allow_pull: bool = False  # pulling is always allowed on a loopback address
     max_body: int = MAX_BODY
+    # `serve --lora`: adapters (store name, scale) that requests for their base model run with
+    # when they name no adapters of their own
+    lora: tuple[tuple[str, float], ...] = ()
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
 
     @property
@@ -225,8 +232,9 @@ class _Failed:
 _END = object()
 
 
-def generate(request: HttpRequest, model: ModelInfo, jobs: list[Job], keep_alive: float | None) -> Run:
-    """Start the jobs on the pooled model: one session.stream per job, as parallel sequences."""
+def generate(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None) -> Run:
+    """Start the jobs on the pooled model (with the target's adapters): one session.stream per
+    job, as parallel sequences."""
     pool = pool_of(request)
     if pool.event_loop is None:
         pool.event_loop = asyncio.get_running_loop()
@@ -234,20 +242,20 @@ def generate(request: HttpRequest, model: ModelInfo, jobs: list[Job], keep_alive
     def worker(job: Job) -> Worker:
         def work(run: Run, emit: Emit) -> None:
             t0 = time.perf_counter()
-            with pool.use(model, keep_alive) as session:
+            with api.use_target(pool, target, keep_alive) as (session, engine):
                 run.load_seconds = max(run.load_seconds, time.perf_counter() - t0)
                 if run.cancel.is_set():
                     return
                 # Chunks go from the engine's reader thread straight to the event loop; this
                 # thread only holds the model until the request ends.
-                ticket = session.start(job.request, job.params, emit)
+                ticket = session.start(job.request, target.params(job.params, engine), emit)
                 run.on_cancel(ticket.cancel)
                 ticket.wait()
                 if ticket.error is not None:
                     raise ticket.error
         return work
 
-    return Run([worker(job) for job in jobs], request, display_name(model.name))
+    return Run([worker(job) for job in jobs], request, display_name(target.model.name))
 
 
 class RunResponse(StreamingResponse):

@@ -157,11 +157,14 @@ class ChatScreen(Screen[None]):
         parts: list[str] = []
         pending: list[str] = []
         last_post = time.monotonic()
+        loaded = model
         try:
-            with models.use(model, keep_alive=-1) as session:
+            target = api.resolve_target(model)  # a model, an adapter, or base+adapter
+            loaded = target.model.name
+            with api.use_target(models, target, keep_alive=-1) as (session, engine):
                 self.app.call_from_thread(self._loaded, generation)
                 request = api.build_messages(prompt, system or None, history)
-                for chunk in api.generate(session, request, params, cancel):
+                for chunk in api.generate(session, request, target.params(params, engine), cancel):
                     if chunk.done:
                         if pending:
                             self.post_message(ReplyText(generation, "".join(pending)))
@@ -179,7 +182,7 @@ class ChatScreen(Screen[None]):
                         last_post = now
             self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
         except EngineCrashedError as e:
-            models.unload(model)  # the next request loads it again
+            models.unload(loaded)  # the next request loads it again
             self.post_message(ReplyFailed(generation, str(e)))
         except LocalrunError as e:
             self.post_message(ReplyFailed(generation, str(e)))
@@ -331,4 +334,4 @@ class ChatScreen(Screen[None]):
 
 def _loaded_model(app: Any, model: str) -> Any:
     """The pool's entry for model when it is loaded, else None."""
-    return next((m for m in app.models.loaded() if m.name == model), None)
+    return next((m for m in app.models.loaded() if m.name in (model, model.split("+")[0])), None)
