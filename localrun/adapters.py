@@ -136,7 +136,16 @@ def make_target(store: Store, info: ModelInfo, refs: Sequence[tuple[ModelInfo, f
 
 
 def base_of(store: Store, adapter: ModelInfo) -> ModelInfo:
-    """The registered base model of an adapter."""
+    """The registered base model of an adapter: its link, else a GGUF converted (later) from the
+    checkpoint folder it was converted against."""
+    base_path = (adapter.details.get("adapter") or {}).get("base_path")
+    if not adapter.base and base_path and Path(base_path).is_dir():
+        converted = store.converted_from(base_path)
+        if converted:
+            return store.get(converted[0])
+        raise ModelNotFoundError(
+            f"adapter '{adapter.name}' has no base model in the store (its base {base_path} is not converted)",
+            f"convert the base: localrun convert {base_path}, or name one: localrun run BASE --lora {adapter.name}")
     if not adapter.base:
         raise ModelNotFoundError(
             f"adapter '{adapter.name}' has no base model in the store",

@@ -389,8 +389,20 @@ class Store:
             context_length=base.context_length,
             details={**base.details, **({"adapter": entry["adapter"]} if entry and entry.get("adapter") else {})},
             kind=base.kind,
-            base=(entry or {}).get("base"),
+            base=self._base_of(entry) if base.kind == "adapter" else None,
         )
+
+    def _base_of(self, entry: dict[str, Any] | None) -> str | None:
+        """An adapter's base: its link, else the newest model converted from the checkpoint folder
+        it was converted against (the base may be converted after the adapter)."""
+        entry = entry or {}
+        if entry.get("base"):
+            return str(entry["base"])
+        base_path = (entry.get("adapter") or {}).get("base_path")
+        if base_path and os.path.isdir(base_path):
+            found = self.converted_from(base_path)
+            return found[0] if found else None
+        return None
 
 
 def _size(path: str) -> int:

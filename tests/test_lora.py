@@ -200,8 +200,30 @@ def test_errors_name_the_problem_and_the_fix(registered: Files, cli, tmp_path: P
     assert no_base.returncode != 0 and "has no base model in the store" in no_base.stderr
     assert "localrun run BASE --lora orphan:lora" in no_base.stderr
 
+    moved = tmp_path / "moved-adapter"
+    moved.mkdir()
+    for f in registered.a1.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "someone/not-downloaded"
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    missing = cli("convert", str(moved))
+    assert missing.returncode != 0 and "'someone/not-downloaded' is not here" in missing.stderr
+    assert "--base" in missing.stderr and not list(moved.glob("*.gguf"))
+
     tui_without_model = cli("tui", "--lora", "a1:lora")
     assert tui_without_model.returncode != 0 and "--lora needs a MODEL" in tui_without_model.stderr
+
+
+def test_an_adapter_converted_before_its_base_links_to_it_once_the_base_is_converted(files: Files, cli,  # noqa: ANN001
+                                                                                      tmp_path: Path) -> None:
+    first = cli("convert", str(files.a1), "-o", str(tmp_path / "a1.gguf"))
+    assert first.returncode == 0 and f"convert it with 'localrun convert {files.base}'" in first.stderr
+    early = cli("run", "a1:lora", PROMPT, "--raw", "-n", "2")
+    assert early.returncode != 0 and f"localrun convert {files.base}" in early.stderr
+    assert cli("convert", str(files.base), "--outtype", "f32", "-o", str(tmp_path / "b-f32.gguf")).returncode == 0
+    assert "LoRA adapter of b:f32" in cli("list").stdout
+    assert cli("run", "a1:lora", PROMPT, "--raw", "-n", "2", "--ctx", "256").returncode == 0
 
 
 def test_the_loop_runs_one_adapter_set_per_step_and_never_reuses_another_sets_cache(registered: Files) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -171,7 +172,10 @@ def _convert_adapter(args: argparse.Namespace) -> int:
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.1f} MB, rank {result.rank}, "
           f"{result.tensors} tensors) in {result.seconds:.1f}s", file=sys.stderr)
     if info is not None:
+        base_path = (info.details.get("adapter") or {}).get("base_path")
         base = f" (base: {info.base})" if info.base else \
+            f" (its base {base_path} is not in the store: convert it with 'localrun convert {base_path}')" \
+            if base_path and os.path.isdir(base_path) else \
             " (its base model is not in the store; run it with 'localrun run BASE --lora NAME')"
         print(f"registered as {info.name}{base}", file=sys.stderr)
     print(result.path)
