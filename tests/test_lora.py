@@ -268,3 +268,43 @@ def test_the_loop_runs_one_adapter_set_per_step_and_never_reuses_another_sets_ca
         assert first.cached_tokens <= 1
     finally:
         engine.close()
+
+
+def test_tui_chats_with_base_plus_adapter_from_the_command_line(registered: Files) -> None:
+    import asyncio
+
+    from localrun.cli import build_parser
+    from localrun.cli.tui import app_from_args
+    from tests.tui.helpers import wait_for
+    from tests.tui.test_flows import ask
+    from tui.widgets.chat import AssistantMessage
+
+    session = api.load("base:f32", LoadOptions(n_ctx=256))
+    try:
+        def reply(lora: list[str]) -> str:
+            params = api.resolve_target("base:f32", lora).params(GREEDY, "llama.cpp")
+            return "".join(c.text for c in session.stream(api.build_messages(PROMPT), params))
+
+        with_adapter, bare = reply(["a1:lora"]), reply([])
+    finally:
+        session.close()
+    assert with_adapter.strip() != bare.strip()
+    app = app_from_args(build_parser().parse_args(["tui", "base:f32", "--lora", "a1:lora", "--temperature", "0",
+                                                   "--max-tokens", "12", "--ctx", "256"]))
+
+    async def run() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: "chat" in app.mode_screens and app.mode_screens["chat"].conversation,
+                           "the chat opened from the command line")
+            screen = app.mode_screens["chat"]
+            assert screen.conversation.model == "base:f32+a1:lora"
+            await ask(pilot, PROMPT)
+            stored = app.conversations.get(screen.conversation.id)
+            assert stored.turns[-1].content.strip() == with_adapter.strip()
+            assert screen.query(AssistantMessage).last().source.strip() == with_adapter.strip()
+            assert [m.name for m in app.models.loaded()] == ["base:f32"]
+
+    try:
+        asyncio.run(run())
+    finally:
+        app.models.close()
