@@ -29,7 +29,7 @@ CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_token
 ROW_KEYS = ("id", "prompt", "messages", "system")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
 # Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
-SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special"))
+SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special", "lora"))
 
 
 @dataclass(frozen=True)
