@@ -5,18 +5,70 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Generator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO.parent / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K.gguf"
+# Set by `make test` (and so in CI): a missing asset or any unexpected skip fails the run.
+STRICT = "LOCALRUN_TEST_STRICT"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Engines spin-wait their threads: two test processes fighting over 2 cores would crawl.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    config.addinivalue_line(
+        "markers", f"expected_skip(reason): a skip this test may take even under {STRICT}=1 (e.g. another platform)"
+    )
+
+
+def strict() -> bool:
+    """True when skips are failures: `make test` and CI."""
+    return os.environ.get(STRICT, "") not in ("", "0")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip a test whose input or environment is missing; under LOCALRUN_TEST_STRICT=1, fail it."""
+    if strict():
+        pytest.fail(f"{reason} ({STRICT}=1: missing test inputs fail the run)", pytrace=False)
+    pytest.skip(reason)
+
+
+def _declared_skip(item: pytest.Item) -> bool:
+    """A skip the test declares: an expected_skip marker, or a skip/skipif marker whose condition holds."""
+    if item.get_closest_marker("expected_skip") is not None or item.get_closest_marker("skip") is not None:
+        return True
+    for mark in item.iter_markers("skipif"):
+        condition = mark.args[0] if mark.args else mark.kwargs.get("condition", True)
+        if isinstance(condition, str) or condition:
+            return True
+    return False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if report.skipped and strict() and not hasattr(report, "wasxfail") and not _declared_skip(item):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"unexpected skip under {STRICT}=1: {reason}"
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report: pytest.CollectReport = yield
+    if report.skipped and strict():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{collector.nodeid}: a module-level skip under {STRICT}=1: {reason}"
+    return report
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +83,9 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def assets_or_skip(path: Path) -> Path:
+    """The asset at path; a missing one skips the test (fails it under LOCALRUN_TEST_STRICT=1)."""
     if not path.exists():
-        pytest.skip(f"test asset {path} is missing (the shared assets folder is not beside the repository)")
+        skip_or_fail(f"test asset {path} is missing (the shared assets folder is not beside the repository)")
     return path
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -156,12 +157,31 @@ class Terminal:
         return os.waitstatus_to_exitcode(status)
 
 
+STATS = re.compile(r"\[(\d+) prompt tokens in \d+ ms, (\d+) tokens at ")
+
+
+def _turn(term: Terminal, text: str) -> tuple[str, int, int]:
+    """Ask one question in the chat: (what was printed up to the next prompt, prompt tokens, reply tokens)."""
+    start = len(term.out)
+    term.send(text + "\r")
+    term.expect(">>> ", start=start + len(text))
+    printed = term.out[start:].decode(errors="replace")
+    stats = STATS.findall(printed)
+    assert len(stats) == 1, printed
+    return printed.split(text, 1)[1], int(stats[0][0]), int(stats[0][1])
+
+
 def test_interactive_chat_multi_turn_ctrl_c_and_ctrl_d() -> None:
-    term = Terminal("run", "smollm2:135m", "--temperature", "0")
+    term = Terminal("run", "smollm2:135m", "--temperature", "0", "--verbose")
     term.expect(">>> ")
-    term.send("What is the opposite of hot?\r")
-    term.expect("cold")
-    term.expect(">>> ")
+    first, p1, c1 = _turn(term, "What is the opposite of hot?")
+    assert "cold" in first.lower()
+    # The second turn sees the first: its prompt holds the first question and reply, and the reply
+    # repeats the first one (asked alone, the model names a capital city instead).
+    again = "Repeat your answer in capitals."
+    second, p2, _ = _turn(term, again)
+    assert p2 > p1 + c1
+    assert "cold" in second.lower()
     before = len(term.out)
     term.send("Write a very long story about a dragon who learns to cook.\r")
     # Wait until the reply is streaming, then stop it with Ctrl-C.
@@ -176,5 +196,8 @@ def test_interactive_chat_multi_turn_ctrl_c_and_ctrl_d() -> None:
     term.send("/clear\r")
     term.expect("cleared")
     term.expect(">>> ", start=term.out.rindex(b"cleared"))  # Ctrl-D typed before the prompt is not EOF
+    # After /clear the same question comes without the history.
+    _, p3, _ = _turn(term, again)
+    assert p3 < p2 - c1
     term.send("\x04")
     assert term.wait() == 0

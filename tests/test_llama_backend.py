@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import threading
+import os
+import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,19 +105,73 @@ def test_generation_stops_at_full_context(tiny: object) -> None:
     assert last.prompt_tokens + last.completion_tokens <= 256
 
 
-def test_cancel_between_tokens(smol: object) -> None:
-    cancel = threading.Event()
-    n = 0
+class FrozenWorkerCancel:
+    """A cancel flag whose lateness a test can count exactly. After some tokens the test freezes
+    the engine worker (SIGSTOP); the stream drains what the worker had already sent, the cancel is
+    requested while the worker cannot run, and only then is the worker let go (SIGCONT). Tokens
+    the worker generates after the request: at most the one step it was frozen in."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.tokens = 0  # tokens received (a logprob comes with each)
+        self.at_request: int | None = None  # tokens received when the cancel was requested
+        self.frozen = self.resumed = False
+        self._idle = 0  # the stream's polls since its last chunk
+
+    def received(self, chunk: Chunk) -> None:
+        self.tokens += len(chunk.logprobs)
+        self._idle = 0
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        _, status = os.waitpid(self.pid, os.WUNTRACED)  # returns once the worker is stopped
+        assert os.WIFSTOPPED(status)
+        self.frozen = True
+
+    def resume(self) -> None:
+        if self.frozen and not self.resumed:
+            self.resumed = True
+            os.kill(self.pid, signal.SIGCONT)
+
+    def is_set(self) -> bool:
+        """Polled by the stream between chunks and while it waits for one."""
+        if not self.frozen:
+            return False
+        if self.at_request is None:
+            self._idle += 1
+            if self._idle < 2:
+                return False
+            # A whole poll brought nothing from the frozen worker: all it had sent is here.
+            self.at_request = self.tokens
+            return True
+        self.resume()  # polled again: the stream has sent the cancel
+        return True
+
+
+def cancel_late_tokens(session: object, request: Request, params: GenerationParams, after: int) -> tuple[Chunk, int]:
+    """Stream a reply, cancel it after `after` tokens; (the final chunk, tokens generated after the request)."""
+    cancel = FrozenWorkerCancel(session.pid)  # type: ignore[attr-defined]
     last = None
-    for chunk in api.generate(smol, Request.raw("Here is a very long story about a dragon:"),
-                              GenerationParams(temperature=0, max_tokens=500), cancel):
-        n += 1
-        if n == 5:
-            cancel.set()
-        if chunk.done:
-            last = chunk
-    assert last is not None and last.finish_reason == "cancelled"
-    assert last.completion_tokens < 50
+    try:
+        for chunk in api.generate(session, request, replace(params, logprobs=0), cancel):  # type: ignore[arg-type]
+            assert last is None, "nothing may follow the final chunk"
+            if chunk.done:
+                last = chunk
+                continue
+            cancel.received(chunk)
+            if cancel.tokens >= after and not cancel.frozen:
+                cancel.freeze()
+    finally:
+        cancel.resume()
+    assert last is not None and cancel.at_request is not None
+    return last, last.completion_tokens - cancel.at_request
+
+
+def test_cancel_between_tokens(smol: object) -> None:
+    last, late = cancel_late_tokens(smol, Request.raw("Here is a very long story about a dragon:"),
+                                    GenerationParams(temperature=0, max_tokens=500), after=5)
+    assert last.finish_reason == "cancelled"
+    assert last.completion_tokens >= 5 and late <= 1  # the engine reads requests between tokens
     # The next request starts clean.
     text, _ = collect(smol, Request.raw("The capital of France is"), GenerationParams(temperature=0, max_tokens=4))
     assert text.startswith(" Paris")
@@ -123,14 +179,19 @@ def test_cancel_between_tokens(smol: object) -> None:
 
 def test_prompt_prefix_cache_gives_same_result(smol: object) -> None:
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]
+    # The first turn leaves its prompt in the KV cache; the next one starts with that prompt.
+    _, first = collect(smol, api.build_messages("Hi"), GenerationParams(temperature=0, max_tokens=8))
     req = api.build_messages("What is the opposite of hot?", None, history)
-    warm = collect(smol, req, GREEDY)[0]
+    warm_text, warm = collect(smol, req, GREEDY)
     fresh = api.load("smollm2:135m", LoadOptions(n_ctx=2048))
     try:
-        cold = collect(fresh, req, GREEDY)[0]
+        cold_text, cold = collect(fresh, req, GREEDY)
     finally:
         fresh.close()
-    assert warm == cold
+    assert cold.cached_tokens == 0
+    assert first.prompt_tokens <= warm.cached_tokens < warm.prompt_tokens == cold.prompt_tokens
+    assert warm_text == cold_text and warm.completion_tokens == cold.completion_tokens
+    assert "cold" in warm_text.lower()
 
 
 def test_model_without_template_uses_plain_chat(tiny: object) -> None:

@@ -10,7 +10,8 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import pytest
+
+from tests.conftest import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT.parent / "shared" / "assets"
@@ -36,7 +37,7 @@ LOGIT_TEXT = MIXED_TEXT + (
 def need_asset(*parts: str) -> Path:
     path = ASSETS.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"test asset {path} is missing (see ../shared/assets/README.md)")
+        skip_or_fail(f"test asset {path} is missing (see ../shared/assets/README.md)")
     return path
 
 
@@ -270,7 +271,7 @@ def llama_cpp_converter_dir(cache: Path) -> Path:
             text=True,
         )
         if proc.returncode != 0 or not sdist.is_file():
-            pytest.skip(f"cannot download the llama-cpp-python sdist: {proc.stderr[-300:]}")
+            skip_or_fail(f"cannot download the llama-cpp-python sdist: {proc.stderr[-300:]}")
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         members = [

@@ -142,4 +142,17 @@ def test_unknown_pre_tokenizer_is_refused() -> None:
         derive_pre(_tj(odd), None)
     with pytest.raises(ConvertError, match="Whitespace"):
         derive_pre(_tj({"type": "Whitespace"}), None)
-    assert GPT2  # the GPT-2 regex is what ByteLevel(use_regex) splits by
+
+
+def test_gpt2_regex_is_what_bytelevel_splits_by() -> None:
+    """derive_pre reads ByteLevel(use_regex) as the GPT2 regex: the two must split text alike."""
+    from tokenizers import Regex, pre_tokenizers
+
+    bytelevel = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(GPT2), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    texts = all_inputs()
+    assert len(texts) > 10
+    for text in texts:
+        assert [w for w, _ in split.pre_tokenize_str(text)] == [w for w, _ in bytelevel.pre_tokenize_str(text)], text

@@ -28,8 +28,11 @@ def test_search_cli_table_json_and_filters(hub: HubServer, cli) -> None:
     found = json.loads(res.stdout)
     assert [r["id"] for r in found] == [QUANT_REPO, SPLIT_REPO]
     assert all("gguf" in r["formats"] for r in found)
-    query = hub.requests("/api/models", "GET")[-1]
-    assert query.status == 200
+    # --sort likes orders otherwise than downloads: the safetensors repo has the most likes, fewer downloads.
+    res = cli("search", "stories", "--sort", "likes", "--limit", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert [(r["id"], r["likes"]) for r in json.loads(res.stdout)] == [(ST_REPO, 70), (QUANT_REPO, 40)]
+    assert len(hub.requests("/api/models", "GET")) == 3  # each search is one Hub query
 
     res = cli("search", "stories", "--format", "onnx")
     assert res.returncode == 2 and "invalid choice" in res.stderr

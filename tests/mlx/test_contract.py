@@ -4,16 +4,15 @@ from the PyTorch (transformers) reference, so both engines must agree with it an
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 
-from localrun import api
 from localrun.chat import PLAIN_STOPS, parse_messages, render_plain, render_template
 from localrun.errors import ContextOverflowError
 from localrun.generation import GenerationParams, Request
 
+from ..test_llama_backend import cancel_late_tokens
 from .conftest import ENGINES, N_CTX, TEMPLATE, Models, collect, torch_greedy
 
 GREEDY = GenerationParams(temperature=0)
@@ -146,18 +145,10 @@ def test_repeat_penalty_matches_reference(models: Models, plain: Any) -> None:
 
 
 def test_cancel_between_tokens_then_next_request_is_clean(models: Models, plain: Any) -> None:
-    cancel = threading.Event()
-    last = None
-    n = 0
     # No max_tokens: without the cancel the reply would run to the end of the context.
-    for chunk in api.generate(plain, Request.raw("Once upon a time"), GREEDY, cancel):
-        n += 1
-        if n == 3:
-            cancel.set()
-        if chunk.done:
-            last = chunk
-    assert last is not None and last.finish_reason == "cancelled"
-    assert last.completion_tokens < N_CTX - 10
+    last, late = cancel_late_tokens(plain, Request.raw("Once upon a time"), GREEDY, after=3)
+    assert last.finish_reason == "cancelled"
+    assert last.completion_tokens >= 3 and late <= 1  # the engine reads requests between tokens
     text, _, _ = collect(plain, Request.raw("Once upon a time"), GenerationParams(temperature=0, max_tokens=20))
     assert text == reference(models, raw_ids(models, "Once upon a time"), 20)
 

@@ -22,6 +22,11 @@ from .conftest import MODEL, Served, serve
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # the model keeps counting: a reply that lasts until it is stopped
 LONG = 900
+# The server notices a client leaving on its event loop and cancels at once; the engine reads the
+# cancel before its next step. What it may still generate meanwhile is what it decodes while the
+# event loop gets to the disconnect: a few tokens (2 on a quiet machine), never the budget. The
+# bound leaves room for a loaded machine, where the event loop and the engine share the cores.
+LATE = 16
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +47,9 @@ def test_disconnecting_client_frees_its_sequence(single: Served) -> None:
     stream = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=LONG, temperature=0, stream=True)
     first = next(iter(stream))
     assert first.choices[0].text
-    stream.close()  # the client goes away mid-stream
+    stream.close()  # the client goes away mid-stream, one token read
     gone = single.records.wait(lambda r: r.path == "/v1/completions" and r.finish_reason == "cancelled", since=mark)
-    assert gone.status == 200 and 0 < gone.tokens < LONG  # the engine stopped it, not the budget
+    assert gone.status == 200 and 1 <= gone.tokens <= 1 + LATE  # the engine stopped it, not the budget
     # The only sequence is free again: the next request runs to its end.
     after = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
     assert after.choices[0].text.startswith(" Paris")
@@ -54,9 +59,9 @@ def test_ollama_client_leaving_cancels_too(single: Served) -> None:
     mark = single.records.mark()
     with single.http() as http, http.stream("POST", "/api/generate", json=_long_stream("/api/generate")) as res:
         line = json.loads(next(res.iter_lines()))
-        assert line["done"] is False
+        assert line["done"] is False  # one token read, then the client leaves
     gone = single.records.wait(lambda r: r.path == "/api/generate" and r.finish_reason == "cancelled", since=mark)
-    assert 0 < gone.tokens < LONG
+    assert 1 <= gone.tokens <= 1 + LATE
 
 
 def test_full_queue_is_503_and_a_queued_client_leaving_frees_its_place(single: Served) -> None:
