@@ -9,6 +9,7 @@ and --resume skips the ids already in the output. A bad row becomes {"id", "erro
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import os
@@ -18,10 +19,10 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from localrun.backends.base import Cancel, Session
-from localrun.errors import LocalrunError, UsageError
+from localrun.errors import LocalrunError, StoreError, UsageError
 from localrun.generation import GenerationParams, Request
 
 FORMATS = ("jsonl", "csv")
@@ -292,36 +293,86 @@ def finished_ids(path: str, fmt: str) -> set[str]:
 
 
 class Writer:
-    """Writes result records to a JSONL or CSV file (or stdout), one flushed row at a time."""
+    """Writes result records to a JSONL or CSV file (or stdout), each row in one unbuffered write.
+
+    A row that cannot be written whole (a full disk) is cut off again, so the file always ends
+    with its last complete row and --resume continues from there.
+    """
 
     def __init__(self, path: str, fmt: str, append: bool) -> None:
-        self.fmt = fmt
-        self.stdout = path == "-"
-        if self.stdout:
-            self.f: IO[str] = sys.stdout
-        else:
+        self.fmt, self.path = fmt, path
+        self.f: io.FileIO | None = None  # None: stdout
+        self.end = 0  # the file's length up to the end of its last complete row
+        if path != "-":
             try:
-                self.f = open(path, "a" if append else "w", encoding="utf-8", newline="")
+                self.f = open(path, "ab" if append else "wb", buffering=0)  # noqa: SIM115 - closed in close()
             except OSError as e:
                 raise UsageError(f"cannot write output file '{path}': {e.strerror or e}") from e
-        if fmt == "csv" and (self.stdout or self.f.tell() == 0):
-            self._csv_row(CSV_COLUMNS)
-
-    def _csv_row(self, values: Iterable[Any]) -> None:
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerow(values)
-        self.f.write(buf.getvalue())
+            self.end = self.f.seek(0, os.SEEK_END)
+        if fmt == "csv" and self.end == 0:
+            self._put(_csv_line(CSV_COLUMNS))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.fmt == "csv":
-            self._csv_row("" if record.get(c) is None else record.get(c) for c in CSV_COLUMNS)
+            self._put(_csv_line("" if record.get(c) is None else record.get(c) for c in CSV_COLUMNS))
         else:
-            self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.f.flush()
+            self._put(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def _put(self, text: str) -> None:
+        if self.f is None:
+            try:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except BrokenPipeError:
+                raise  # the reader went away: the CLI ends quietly
+            except OSError as e:
+                raise StoreError(f"cannot write the results to stdout: {e.strerror or e}") from e
+            return
+        data = text.encode("utf-8")
+        done = 0
+        try:
+            while done < len(data):
+                done += self.f.write(data[done:])  # a full disk can take part of a row first
+        except OSError as e:
+            raise self._error(e, self._cut()) from e
+        self.end += len(data)
+
+    def _cut(self) -> bool:
+        """Truncate the file back to its last complete row; False if even that failed."""
+        assert self.f is not None
+        try:
+            self.f.truncate(self.end)
+        except OSError:
+            return False
+        return True
+
+    def _error(self, e: OSError, cut: bool) -> StoreError:
+        kept = "the rows finished before are kept" + ("" if cut else "; the last line is torn (--resume removes it)")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            disk = _mount_point(Path(self.path).resolve().parent)
+            full = "full" if e.errno == errno.ENOSPC else "over its quota"
+            return StoreError(f"cannot write output file '{self.path}': the disk at {disk} is {full}"
+                              f" ({e.strerror}); {kept}",
+                              f"free some space on {disk}, then run the same command with --resume to finish")
+        return StoreError(f"cannot write output file '{self.path}': {e.strerror or e}; {kept}",
+                          "run the same command with --resume once the file can be written")
 
     def close(self) -> None:
-        if not self.stdout:
+        if self.f is not None:
             self.f.close()
+
+
+def _csv_line(values: Iterable[Any]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(values)
+    return buf.getvalue()
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the filesystem that holds path: the disk a user would free."""
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def check_output(path: str, resume: bool) -> None:
