@@ -1,14 +1,18 @@
 """Benchmark: localrun's converter vs llama.cpp's convert_hf_to_gguf.py on a TinyLlama-shaped model.
 
 A random-weight 1.1B Llama (22 layers, hidden 2048, FFN 5632, 32/4 heads, vocab 32000; BF16 in
-three safetensors shards, Llama 2 SentencePiece tokenizer) is converted to F16 by both converters
-in the same run; `cat` of the input bytes is the I/O floor. Wall time and peak RSS of each child
-process are measured; the ratios in the table come from this run only. Q4_K_M end to end is timed
-too (BF16 intermediate + llama.cpp's quantizer).
+three safetensors shards, Llama 2 SentencePiece tokenizer) is converted by both converters, like
+with like: F16 against llama.cpp's F16, and Q4_K_M end to end against llama.cpp's own way there
+(convert_hf_to_gguf.py to the same intermediate type localrun writes, then llama-quantize, both
+with the same thread count). `cat` of the input bytes is the I/O floor. Every run is a child
+process whose wall time and peak RSS are measured; the runs alternate, in the opposite order
+every other round, and the table shows medians over the rounds; each ratio compares a row with
+llama.cpp's row of the same output type, from this run only.
 
-    .venv/bin/python benchmarks/bench_convert.py [--work DIR] [--keep] [--no-q4]
+    .venv/bin/python benchmarks/bench_convert.py [--work DIR] [--keep] [--no-q4] [--rounds 3] [--layers 22]
 
-llama.cpp's converter comes from the llama-cpp-python sdist on PyPI (downloaded once, cached).
+llama.cpp's converter comes from the llama-cpp-python sdist on PyPI (downloaded once, cached);
+llama-quantize is built from the same llama.cpp by benchmarks/llama_tools.py (cached).
 """
 
 from __future__ import annotations
@@ -17,15 +21,19 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPM = ROOT.parent / "shared" / "assets" / "tokenizers" / "llama2-spm" / "tokenizer.model"
 sys.path.insert(0, str(ROOT / "tests" / "convert"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # convert_helpers imports tests.conftest
 
 # Runs a command and prints its wall time and the peak RSS of its process tree's largest member.
 _MEASURE = r"""
@@ -48,15 +56,21 @@ def measure(cmd: list[str]) -> dict:
     return res
 
 
-def make_model(folder: Path) -> None:
-    """TinyLlama shapes, random BF16 weights, three shards."""
+def measure_steps(cmds: list[list[str]]) -> dict:
+    """Steps run one after the other, as one contestant: wall times add up, peak RSS is the largest."""
+    steps = [measure(c) for c in cmds]
+    return {"wall": sum(r["wall"] for r in steps), "rss": max(r["rss"] for r in steps)}
+
+
+def make_model(folder: Path, layers: int = 22) -> None:
+    """TinyLlama shapes (or fewer layers), random BF16 weights, three shards."""
     import torch
     import transformers as tf
 
     cfg = tf.LlamaConfig(
         hidden_size=2048,
         intermediate_size=5632,
-        num_hidden_layers=22,
+        num_hidden_layers=layers,
         num_attention_heads=32,
         num_key_value_heads=4,
         vocab_size=32000,
@@ -118,64 +132,91 @@ def main() -> None:
         "--work", type=Path, help="folder for the model and outputs (default: a temp dir)"
     )
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--no-q4", action="store_true", help="skip the Q4_K_M run")
+    ap.add_argument("--no-q4", action="store_true", help="skip the Q4_K_M runs")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every run (medians are shown)")
+    ap.add_argument("--layers", type=int, default=22, help="decoder layers of the model (fewer: a quick check)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "tinyllama-random"
+    model = work / f"tinyllama-random-{args.layers}l"
     try:
         if not (model / "config.json").is_file():
             model.mkdir(exist_ok=True)
             t = time.perf_counter()
-            make_model(model)
+            make_model(model, args.layers)
             print(f"made the model in {time.perf_counter() - t:.0f}s", file=sys.stderr)
         from convert_helpers import converter_cache, llama_cpp_converter_dir
 
         llama_dir = llama_cpp_converter_dir(converter_cache())
         shards = sorted(str(p) for p in model.glob("*.safetensors"))
         in_bytes = sum(os.path.getsize(p) for p in shards)
-        ours_cmd = [
-            sys.executable,
-            "-c",
-            "import sys, convert; convert.convert(sys.argv[1], sys.argv[2], outtype=sys.argv[3], force=True)",
+        os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        threads = os.cpu_count() or 1
+
+        def ours(outtype: str) -> dict:
+            out = work / f"ours-{outtype}.gguf"
+            code = ("import sys, convert; convert.convert(sys.argv[1], sys.argv[2], outtype=sys.argv[3],"
+                    " force=True, threads=int(sys.argv[4]))")
+            r = measure([sys.executable, "-c", code, str(model), str(out), outtype, str(threads)])
+            out.unlink()
+            return r
+
+        def reference(outtype: str) -> list[str]:
+            return [sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
+                    "--outfile", str(work / f"ref-{outtype}.gguf")]
+
+        def ref_f16() -> dict:
+            r = measure(reference("f16"))
+            (work / "ref-f16.gguf").unlink()
+            return r
+
+        runs: list[tuple[str, str, Callable[[], dict]]] = [  # (name, output type, run)
+            ("cat (I/O floor)", "", lambda: measure(["sh", "-c", 'cat "$@" | wc -c > /dev/null', "cat", *shards])),
+            ("llama.cpp convert_hf_to_gguf.py f16", "f16", ref_f16),
+            ("localrun convert f16", "f16", lambda: ours("f16")),
         ]
-        env_path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-        os.environ["PYTHONPATH"] = env_path
-        measure(["cat", *shards])  # warm the page cache for everyone
-        rows = []
-        cat = measure(["sh", "-c", 'cat "$@" | wc -c > /dev/null', "cat", *shards])
-        rows.append(("cat (I/O floor)", cat))
-        ref = measure(
-            [
-                sys.executable,
-                str(llama_dir / "convert_hf_to_gguf.py"),
-                str(model),
-                "--outtype",
-                "f16",
-                "--outfile",
-                str(work / "ref-f16.gguf"),
-            ]
-        )
-        rows.append(("llama.cpp convert_hf_to_gguf.py f16", ref))
-        (work / "ref-f16.gguf").unlink()
-        ours = measure([*ours_cmd, str(model), str(work / "ours-f16.gguf"), "f16"])
-        rows.append(("localrun convert f16", ours))
-        (work / "ours-f16.gguf").unlink()
         if not args.no_q4:
-            q4 = measure([*ours_cmd, str(model), str(work / "ours-q4_k_m.gguf"), "q4_k_m"])
-            rows.append(("localrun convert q4_k_m (end to end)", q4))
+            from llama_tools import tool_binary
+
+            import convert
+
+            quantize = tool_binary("llama-quantize")
+            inter = convert.convert(model, work / "plan.gguf", outtype="q4_k_m", dry_run=True).plan.written_type
+
+            def ref_q4() -> dict:
+                mid, out = work / f"ref-{inter}.gguf", work / "ref-q4_k_m.gguf"
+                r = measure_steps([reference(inter), [str(quantize), str(mid), str(out), "Q4_K_M", str(threads)]])
+                mid.unlink()
+                out.unlink()
+                return r
+
+            runs += [
+                (f"llama.cpp {inter} + llama-quantize q4_k_m", "q4_k_m", ref_q4),
+                ("localrun convert q4_k_m (end to end)", "q4_k_m", lambda: ours("q4_k_m")),
+            ]
+        measure(["cat", *shards])  # warm the page cache for everyone
+        results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+        for i in range(args.rounds):
+            for name, _, run in runs if i % 2 == 0 else runs[::-1]:
+                results[name].append(run())
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("wall", "rss")} for name, rs in results.items()}
+        baseline = {kind: med[name] for name, kind, _ in runs if name.startswith("llama.cpp")}
         print(
-            f"\nTinyLlama-shaped random model, BF16, {len(shards)} shards, {in_bytes / 1e9:.2f} GB; "
-            f"{os.cpu_count()} CPUs\n"
+            f"\nTinyLlama-shaped random model ({args.layers} layers), BF16, {len(shards)} shards,"
+            f" {in_bytes / 1e9:.2f} GB; {os.cpu_count()} CPUs; {threads} threads for localrun and llama-quantize"
+            " (convert_hf_to_gguf.py has no thread setting);"
+            f" median of {args.rounds} alternating rounds\n"
         )
         print(
-            f"{'run':<40} {'wall s':>8} {'peak RSS GB':>12} {'x llama.cpp time':>17} {'x llama.cpp RSS':>16}"
+            f"{'run':<44} {'wall s':>8} {'peak RSS GB':>12} {'x llama.cpp time':>17} {'x llama.cpp RSS':>16}"
         )
-        for name, r in rows:
+        for name, kind, _ in runs:
+            r, ref = med[name], baseline[kind or "f16"]
             print(
-                f"{name:<40} {r['wall']:>8.2f} {r['rss'] / 1e9:>12.2f} "
+                f"{name:<44} {r['wall']:>8.2f} {r['rss'] / 1e9:>12.2f} "
                 f"{r['wall'] / ref['wall']:>17.2f} {r['rss'] / ref['rss']:>16.2f}"
             )
+        print("\nratios: against llama.cpp's row of the same output type (cat: against llama.cpp f16)")
     finally:
         if not args.keep and args.work is None:
             shutil.rmtree(work, ignore_errors=True)

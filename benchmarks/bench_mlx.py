@@ -5,8 +5,13 @@ package is installed, SmolLM2-135M-Instruct, both exported from GGUF to Hugging 
 transformers and converted by mlx-lm. Greedy decoding of the same prompt, alternating rounds;
 the table shows median decode tokens/s and the ratio to mlx-lm (target: >= 0.97x).
 
-- mlx-lm: `mlx_lm.stream_generate` (what `mlx_lm.generate` runs), its reported generation_tps.
-- localrun in-process: the MLX session's stream, its final chunk's tokens/s.
+Every contestant is timed the same way, by the caller's clock as its tokens arrive, never by an
+engine's own report: decode tokens/s is (tokens - 1) over the time from the first token to the
+last, and first-token time is from the call to the first token. So the worker's numbers include
+the process hop (pipe, encoding, the reader thread) that the CLI and TUI pay.
+
+- mlx-lm: `mlx_lm.stream_generate` (what `mlx_lm.generate` runs).
+- localrun in-process: the MLX session's stream, in this process.
 - localrun worker: the same through `api.load` (the engine process the CLI and TUI use).
 
     .venv/bin/python benchmarks/bench_mlx.py [--model stories|starter|all] [--tokens N] [--rounds N]
@@ -19,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +58,54 @@ def build(name: str, work: Path) -> Path:
     return out
 
 
-def bench_mlx_lm(model: Any, tokenizer: Any, n: int) -> tuple[float, str]:
+@dataclass(frozen=True)
+class Timing:
+    """One reply as the caller saw it: perf_counter() at the call, the first token and the last."""
+
+    tokens: int
+    start: float
+    first: float
+    end: float
+    text: str
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.tokens - 1) / (self.end - self.first) if self.end > self.first else 0.0
+
+    @property
+    def first_token_ms(self) -> float:
+        return (self.first - self.start) * 1000
+
+
+def bench_mlx_lm(model: Any, tokenizer: Any, n: int) -> Timing:
     from mlx_lm import stream_generate
 
-    text, last = "", None
+    text, first, end, tokens = "", 0.0, 0.0, 0
+    start = time.perf_counter()
     for r in stream_generate(model, tokenizer, PROMPT, max_tokens=n):
+        end = time.perf_counter()
+        first = first or end
         text += r.text
-        last = r
-    assert last is not None
-    return last.generation_tps, text
+        tokens = r.generation_tokens
+    return Timing(tokens, start, first, end, text)
 
 
-def bench_localrun(session: Any, n: int) -> tuple[float, str]:
+def bench_localrun(session: Any, n: int) -> Timing:
     from localrun.generation import GenerationParams, Request
 
-    text, last = "", None
+    text, first, end, tokens = "", 0.0, 0.0, 0
+    start = time.perf_counter()
     for chunk in session.stream(Request.raw(PROMPT), GenerationParams(temperature=0, max_tokens=n)):
-        text += chunk.text
-        last = chunk
-    assert last is not None and last.done
-    return last.tokens_per_second, text
+        now = time.perf_counter()
+        if chunk.done:  # the count of tokens only; the times are the caller's
+            end, tokens = now, chunk.completion_tokens
+        else:
+            first = first or now
+            text += chunk.text
+    return Timing(tokens, start, first, end, text)
 
 
-def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, float, float]]:
+def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, float, float, float]]:
     import mlx_lm
 
     from localrun import api
@@ -92,24 +123,28 @@ def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, fl
         "localrun (in-process)": lambda: bench_localrun(local, n),
         "localrun (worker)": lambda: bench_localrun(worker, n),
     }
-    speeds: dict[str, list[float]] = {k: [] for k in contestants}
-    texts: dict[str, str] = {}
+    timings: dict[str, list[Timing]] = {k: [] for k in contestants}
     try:
         for fn in contestants.values():  # warm-up: compile, caches
             fn()
         for _ in range(rounds):
             for key, fn in contestants.items():
-                tps, texts[key] = fn()
-                speeds[key].append(tps)
+                timings[key].append(fn())
     finally:
         local.close()
         worker.close()
-    base_text = texts["mlx-lm stream_generate"].lstrip()
-    for key, text in texts.items():
-        if text.lstrip() != base_text:  # mlx-lm drops the reply's leading space; localrun keeps it
+    base_text = timings["mlx-lm stream_generate"][-1].text.lstrip()
+    for key, ts in timings.items():
+        if ts[-1].text.lstrip() != base_text:  # mlx-lm drops the reply's leading space; localrun keeps it
             print(f"warning: {key} generated different text than mlx-lm", file=sys.stderr)
-    base = statistics.median(speeds["mlx-lm stream_generate"])
-    return [(name, key, statistics.median(v), statistics.median(v) / base) for key, v in speeds.items()]
+        if any(t.tokens != ts[0].tokens for t in ts) or ts[0].tokens != timings["mlx-lm stream_generate"][0].tokens:
+            print(f"warning: {key} generated another number of tokens than mlx-lm", file=sys.stderr)
+    base = statistics.median(t.decode_tps for t in timings["mlx-lm stream_generate"])
+    rows = []
+    for key, ts in timings.items():
+        tps = statistics.median(t.decode_tps for t in ts)
+        rows.append((name, key, tps, tps / base, statistics.median(t.first_token_ms for t in ts)))
+    return rows
 
 
 def main() -> None:
@@ -134,10 +169,11 @@ def main() -> None:
             print(f"built {name} in {time.perf_counter() - t:.1f}s: {folder}", file=sys.stderr)
             n = args.tokens or (256 if name == "stories" else 48)
             rows += run(name, folder, n, args.rounds)
-    print(f"\nMLX {mx.__version__} on {device_name(mx)}, greedy, median of {args.rounds} rounds\n")
-    print(f"{'model':<10}{'engine':<26}{'decode tok/s':>14}{'vs mlx-lm':>12}")
-    for name, key, tps, ratio in rows:
-        print(f"{name:<10}{key:<26}{tps:>14.1f}{ratio:>11.3f}x")
+    print(f"\nMLX {mx.__version__} on {device_name(mx)}, greedy, median of {args.rounds} rounds,"
+          " timed by the caller as tokens arrive\n")
+    print(f"{'model':<10}{'engine':<26}{'decode tok/s':>14}{'vs mlx-lm':>12}{'first token ms':>16}")
+    for name, key, tps, ratio, ttft in rows:
+        print(f"{name:<10}{key:<26}{tps:>14.1f}{ratio:>11.3f}x{ttft:>16.1f}")
 
 
 if __name__ == "__main__":
