@@ -552,6 +552,56 @@ def batch(
     return batching.generate(session, parsed, params, cancel, progress)
 
 
+def ray_installed() -> None:
+    """Raise UsageError with the install hint when Ray is missing (for `batch --ray`)."""
+    import importlib.util
+
+    from localrun.cluster import INSTALL_HINT
+
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # a module set to None in sys.modules: not importable
+        found = False
+    if not found:
+        raise UsageError("--ray needs Ray, which is not installed", INSTALL_HINT)
+
+
+def cluster_summary() -> Any:
+    """An empty localrun.cluster.Summary for batch_on_cluster to fill (per-actor rows and speed)."""
+    from localrun.cluster import Summary
+
+    return Summary()
+
+
+def batch_on_cluster(model: ModelInfo, rows: list[Any], params: GenerationParams, options: LoadOptions,
+                     engine: str | None = None, *, address: str | None = None, actors: int | None = None,
+                     cpus_per_actor: float | None = None, gpus_per_actor: float = 0.0, retries: int = 2,
+                     model_path: str | None = None, cancel: Cancel | None = None, progress: Any = None,
+                     notice: Any = None, summary: Any = None) -> Generator[dict[str, Any], None, None]:
+    """Run batch rows on a Ray cluster: a pool of actors, each with the model loaded.
+
+    Args:
+        model, rows, params, options, engine: as for a local batch (rows from batch.read_input).
+        address: "auto", HOST:PORT or ray://...; None starts a local cluster.
+        actors, cpus_per_actor, gpus_per_actor: the actor pool (default: one per GPU or per node).
+        retries: attempts beyond the first for a block whose actor died.
+        model_path: the model at this path on every node, instead of each node's own copy.
+        summary: a cluster_summary() that gets each actor's rows, tokens and speed.
+
+    Yields:
+        One record per row as it finishes ({"id", "text", ...} or {"id", "error"}), each id once.
+
+    Raises:
+        UsageError: Ray is not installed. BackendUnavailableError: no cluster at that address.
+    """
+    from localrun import cluster
+
+    opts = cluster.RayOptions(address=address, actors=actors, gpus_per_actor=gpus_per_actor,
+                              cpus_per_actor=cpus_per_actor, model_path=model_path, retries=retries)
+    return cluster.run(model, rows, params, options, engine, opts, cancel=cancel, progress=progress, notice=notice,
+                       summary=summary)
+
+
 def quantize_ladder(
     source: str | os.PathLike[str],
     types: list[str],

@@ -44,6 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_constraint_flags(p, format_flag=False)
     add_tool_flags(p)
     add_load_flags(p)
+    r = p.add_argument_group("on a Ray cluster (pip install 'localrun[ray]')")
+    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="spread the rows over a pool of Ray actors, each with the model loaded: ADDRESS is 'auto' (the "
+                        "running cluster), HOST:PORT or ray://HOST:10001; without it a local cluster is started")
+    r.add_argument("--ray-actors", type=int_in(1), metavar="N",
+                   help="actors (default: one per GPU with --ray-gpus-per-actor, else one per node)")
+    r.add_argument("--ray-cpus-per-actor", type=float, metavar="N", help="CPUs each actor takes (its engine threads)")
+    r.add_argument("--ray-gpus-per-actor", type=float, default=0.0, metavar="N", help="GPUs each actor takes (default 0)")
+    r.add_argument("--ray-retries", type=int_in(0), default=2, metavar="N",
+                   help="times a block whose actor died is tried again on another actor (default 2)")
+    r.add_argument("--model-path", metavar="PATH",
+                   help="the model file at this path on every node (shared storage) instead of each node's own copy")
     p.set_defaults(func=cmd_batch)
 
 
@@ -56,8 +68,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     from localrun import api
     from localrun import batch as batching
+    from localrun.errors import UsageError
     from localrun.generation import LoadOptions
 
+    if args.ray is not None:
+        api.ray_installed()  # the install hint before any work
+    elif args.model_path or args.ray_actors or args.ray_cpus_per_actor or args.ray_gpus_per_actor:
+        raise UsageError("--ray-actors, --ray-cpus-per-actor, --ray-gpus-per-actor and --model-path need --ray")
     params = params_from_args(args)
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
@@ -81,21 +98,39 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
         limit = min(model.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
-    session = api.load(model, options, engine=engine)
-    writer = batching.Writer(args.output, fmt, append=args.resume)
     cancel = threading.Event()
+    summary: Any = None
+    if args.ray is not None:
+        summary = api.cluster_summary()
+        records = api.batch_on_cluster(
+            model, rows, params, options, engine, address=args.ray or None, actors=args.ray_actors,
+            cpus_per_actor=args.ray_cpus_per_actor, gpus_per_actor=args.ray_gpus_per_actor, retries=args.ray_retries,
+            model_path=args.model_path, cancel=cancel, progress=report.progress, summary=summary,
+            notice=lambda line: print(f"localrun batch: {line}", file=sys.stderr, flush=True))
+        session = None
+    else:
+        session = api.load(model, options, engine=engine)
+        records = api.batch(session, rows, params, cancel=cancel, progress=report.progress)
+    writer = batching.Writer(args.output, fmt, append=args.resume)
     previous = _on_ctrl_c(cancel)
     try:
-        for record in api.batch(session, rows, params, cancel=cancel, progress=report.progress):
+        for record in records:
             if plan is not None and "text" in record:
                 record = plan.record(record)
             writer.write(record)
             report.row(record)
     finally:
         signal.signal(signal.SIGINT, previous)
+        records.close()
         writer.close()
         report.close()
-        session.close()
+        if session is not None:
+            session.close()
+    if summary is not None:
+        for a in summary.actors:
+            state = f", died: {a['error']}" if a["error"] else ""
+            print(f"localrun batch: actor {a['actor']} (pid {a['pid']} on {a['node']}): {a['rows']} rows, "
+                  f"{a['tokens']} tokens, {a['tokens_per_second']:.1f} tok/s{state}", file=sys.stderr)
     report.summary(cancelled=cancel.is_set())
     if cancel.is_set():
         return 130
