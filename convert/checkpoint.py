@@ -4,7 +4,6 @@ merged into it, and the base model an adapter is checked against."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -19,7 +18,7 @@ from convert.archs import Arch, arch_for, supported
 from convert.errors import ConvertError
 from convert.lora import Adapter, LoraWeight, check_against
 from convert.outtypes import to_f32
-from convert.source import SourceTensor, load_checkpoint, tensors_from_state_dict
+from convert.source import SourceTensor, load_checkpoint, read_json, tensors_from_state_dict
 
 
 @dataclass
@@ -47,10 +46,7 @@ class Checkpoint:
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise ConvertError(f"{folder} has no config.json", "pass a Hugging Face model folder")
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{config_path} is not valid JSON: {e}") from e
+        config = read_json(config_path)
         arch = arch_for(config)(config)  # fail on unknown architectures before reading weights
         tensors = load_checkpoint(folder)
         return cls(folder.resolve().name, config, arch, tensors, folder)
@@ -203,10 +199,7 @@ def open_base(path: str | os.PathLike[str], hint: str | None = None) -> BaseMode
                 f"base {path} has no config.json",
                 "pass a Hugging Face model folder or a GGUF model file as the base",
             )
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{config_path} is not valid JSON: {e}") from e
+        config = read_json(config_path)
         arch = arch_for(config)(config)
         shapes = {name: t.shape for name, t in load_checkpoint(path).items()}
         return BaseModel(path.resolve().name, arch, shapes, False, _tied(shapes, arch))

@@ -8,7 +8,6 @@ scale * adapter.lora.alpha / r * B @ A at run time, with r taken from each tenso
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ from convert.source import (
     SourceTensor,
     load_pickle,
     load_safetensors,
+    read_json,
     tensors_from_state_dict,
 )
 
@@ -163,10 +163,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
             f"{folder} has no {CONFIG_FILE}",
             "pass a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)",
         )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {e}") from e
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ConvertError(f"{path} does not hold a JSON object")
     return config

@@ -231,6 +231,14 @@ def load_checkpoint(folder: Path) -> dict[str, SourceTensor]:
     )
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's value; malformed JSON is a ConvertError naming the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path} is not valid JSON: {e}") from e
+
+
 def iter_row_blocks(rows: int, row_bytes: int, block_bytes: int) -> Iterator[tuple[int, int]]:
     """Split rows into [start, stop) blocks of about block_bytes each."""
     step = max(1, block_bytes // max(row_bytes, 1))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ import gguf
 
 from convert.errors import ConvertError
 from convert.pretokenizers import derive_pre
+from convert.source import read_json
 
 T = gguf.TokenType
 # Texts that end a turn in common chat templates; llama.cpp detects the same list at load time.
@@ -52,10 +52,7 @@ class Vocab:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {e}") from e
+    data = read_json(path)
     return data if isinstance(data, dict) else {}
 
 
