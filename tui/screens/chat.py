@@ -205,7 +205,6 @@ class ChatScreen(Screen[None]):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.generating = False
 
     async def on_reply_done(self, message: ReplyDone) -> None:
         if message.generation != self.generation:
@@ -214,6 +213,7 @@ class ChatScreen(Screen[None]):
         stats = message.stats
         if stats.get("finish_reason") == "cancelled":
             await self._discard("Stopped; the reply was not kept")
+            self.generating = False  # settled: what the screen shows is final
             return
         assert self.conversation is not None
         store: Any = self.app.conversations  # type: ignore[attr-defined]
@@ -229,12 +229,14 @@ class ChatScreen(Screen[None]):
         self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
                         context_used=int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+        self.generating = False
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         if message.generation != self.generation:
             return
         await self._finish_stream()
         await self._discard(message.error, error=True)
+        self.generating = False  # after the error is shown and the exchange removed
 
     async def _discard(self, note: str, error: bool = False) -> None:
         """Remove the unfinished exchange from the view; the stored conversation never had it."""
