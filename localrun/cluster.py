@@ -334,7 +334,7 @@ def _init(ray: Any, address: str | None) -> None:
         if address:
             ray.init(address=address, **kwargs)
         else:
-            ray.init(include_dashboard=False, **kwargs)
+            ray.init(address="local", include_dashboard=False, **kwargs)  # a new cluster, never a running one
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise BackendUnavailableError(f"cannot connect to {where}: {str(e).splitlines()[0] if str(e) else e}",
