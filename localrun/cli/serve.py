@@ -111,10 +111,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   + ("" if key else "; set --api-key to require a key"), file=err)
         port = sock.getsockname()[1]  # the real one when --port 0
         url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{port}"
-        print(f"localrun: serving on {url} (OpenAI API at {url}/v1, Ollama API at {url}/api); Ctrl-C stops",
-              file=err, flush=True)
-        server = uvicorn.Server(uvicorn.Config(create_app(pool, config), log_level="warning", access_log=False,
-                                               timeout_graceful_shutdown=3))
+        ready = f"localrun: serving on {url} (OpenAI API at {url}/v1, Ollama API at {url}/api); Ctrl-C stops"
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                # Said once the server answers and Ctrl-C / SIGTERM stop it cleanly (uvicorn's
+                # handlers are in place): whoever waits for this line may use the server or stop it.
+                print(ready, file=err, flush=True)
+
+        server = Server(uvicorn.Config(create_app(pool, config), log_level="warning", access_log=False,
+                                       timeout_graceful_shutdown=3))
         # uvicorn shuts down gracefully on Ctrl-C / SIGTERM, then raises the signal again: stopping
         # the server that way is its normal end, and the pool must still unload its engines.
         previous = signal.signal(signal.SIGTERM, _stop) if threading.current_thread() is threading.main_thread() else None
