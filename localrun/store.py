@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import difflib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -31,6 +32,7 @@ _QUANT_RE = re.compile(
     r"[.\-_](?P<q>(?:i?q[1-8](?:_[0-9a-z]+)*)|f16|bf16|f32|fp16|fp32)$", re.IGNORECASE
 )
 _SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+_log = logging.getLogger(__name__)
 
 
 def home() -> Path:
@@ -161,6 +163,16 @@ def _saved_by_mlx(folder: Path) -> bool:
 _META_CACHE: dict[str, tuple[tuple[int, int], ModelInfo]] = {}
 
 
+def _parse_registry(raw: bytes) -> dict[str, Any]:
+    """The registry's content; ValueError when it is not a registry (truncated, garbage, wrong shape)."""
+    data = json.loads(raw.decode("utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.setdefault("models", {}), dict):
+        raise ValueError("not a registry object")
+    if not all(isinstance(e, dict) and "path" in e for e in data["models"].values()):
+        raise ValueError("a model entry has no path")
+    return data
+
+
 class Store:
     """The model registry plus discovered models; safe across processes."""
 
@@ -169,6 +181,7 @@ class Store:
         self.registry_path = self.root / "registry.json"
         self.models_dir = self.root / "models"
         self._meta_cache = _META_CACHE
+        self._holding = False  # whether this object holds the registry lock (a transaction runs)
 
     # -- registry file -------------------------------------------------------------------
     def _lock(self) -> Any:
@@ -179,27 +192,71 @@ class Store:
 
     def _read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.registry_path.read_text(encoding="utf-8"))
+            raw = self.registry_path.read_bytes()
         except FileNotFoundError:
             return {"version": REGISTRY_VERSION, "models": {}, "hidden": []}
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise StoreError(
                 f"the model registry '{self.registry_path}' cannot be read: {e}",
-                "restore it from a backup or delete it (installed files stay in place)",
+                "check the file's permissions and the disk",
             ) from e
-        data.setdefault("models", {})
+        try:
+            data = _parse_registry(raw)
+        except ValueError as e:
+            return self._recover(e)
+        data.setdefault("hidden", [])
+        return data
+
+    def _recover(self, problem: ValueError) -> dict[str, Any]:
+        """A registry that does not parse: restore the kept copy under the lock, or say what to do."""
+        if not self._holding:
+            with self._lock():
+                self._holding = True
+                try:
+                    return self._read()  # another process may have restored it meanwhile
+                finally:
+                    self._holding = False
+        backup = self.registry_path.with_name(self.registry_path.name + ".bak")
+        try:
+            data = _parse_registry(backup.read_bytes())
+        except (OSError, ValueError) as e:
+            why = "there is no kept copy" if isinstance(e, FileNotFoundError) else f"its kept copy '{backup}' is damaged too"
+            raise StoreError(
+                f"the model registry '{self.registry_path}' is damaged ({problem}) and {why}",
+                f"move it aside to start an empty library (mv '{self.registry_path}' "
+                f"'{self.registry_path}.broken'); model files stay in place, re-register them with 'localrun add FILE'",
+            ) from problem
+        broken = self.registry_path.with_name(f"{self.registry_path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(self.registry_path, broken)
+        self._replace_file(self.registry_path, backup.read_bytes())
+        _log.warning(
+            "localrun: the model registry %s was damaged (%s); restored the previous version from %s "
+            "(the damaged file is kept as %s)", self.registry_path, problem, backup.name, broken.name,
+        )
         data.setdefault("hidden", [])
         return data
 
     def _write(self, data: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        # Keep the version being replaced as registry.json.bak, so a damaged registry can be restored.
+        try:
+            current = self.registry_path.read_bytes()
+            _parse_registry(current)
+        except (OSError, ValueError):
+            current = None
+        if current is not None:
+            self._replace_file(self.registry_path.with_name(self.registry_path.name + ".bak"), current)
+        self._replace_file(self.registry_path, json.dumps(data, indent=2, sort_keys=True).encode("utf-8"))
+
+    def _replace_file(self, path: Path, content: bytes) -> None:
+        """Write content to a temporary file beside path, flush it to disk, and rename it over path."""
         fd, tmp = tempfile.mkstemp(prefix=".registry-", suffix=".tmp", dir=self.root)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.registry_path)
+            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -208,9 +265,13 @@ class Store:
     def transaction(self) -> Iterator[dict[str, Any]]:
         """Read-modify-write the registry under the lock; written only if the block succeeds."""
         with self._lock():
-            data = self._read()
-            yield data
-            self._write(data)
+            self._holding = True
+            try:
+                data = self._read()
+                yield data
+                self._write(data)
+            finally:
+                self._holding = False
 
     # -- discovery -----------------------------------------------------------------------
     def _entries(self) -> list[tuple[str, str, str, str, dict[str, Any]]]:

@@ -7,16 +7,21 @@ written in one transaction, so a cancelled or failed reply leaves nothing half-w
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from localrun import api
+from localrun.errors import StoreError
 from localrun.generation import GenerationParams
+
+_log = logging.getLogger(__name__)
 
 # The structured-output spec as the user gave it, beside the sampling settings in the params column.
 OUTPUT_KEY = "output"
@@ -109,8 +114,43 @@ class ConversationStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.backup_path = self.path.with_name(self.path.name + ".bak")
+        self.notice: str | None = None  # set when a damaged history was restored from its kept copy
+        problem = _damage(self.path, empty_is_damage=self.backup_path.exists())
+        if problem is not None:
+            self._restore(problem)
         with self._connect() as db:
             db.executescript(_SCHEMA)
+        self._keep_copy()
+
+    def _restore(self, problem: str) -> None:
+        """Replace a damaged history with its kept copy (the damaged files moved aside), or fail saying what to do."""
+        why = _damage(self.backup_path) if self.backup_path.exists() else "there is no kept copy"
+        if why is not None:
+            raise StoreError(
+                f"the chat history '{self.path}' is damaged ({problem}) and "
+                + (why if why == "there is no kept copy" else f"its kept copy '{self.backup_path}' is damaged too ({why})"),
+                f"move it aside to start a new history: mv '{self.path}' '{self.path}.broken'",
+            )
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        broken = self.path.with_name(f"{self.path.name}.broken-{stamp}")
+        os.replace(self.path, broken)
+        # A journal left beside the damaged file must not be rolled back into the restored copy.
+        for suffix in ("-journal", "-wal", "-shm"):
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                os.replace(side, broken.with_name(broken.name + suffix))
+        _copy_db(self.backup_path, self.path)
+        self.notice = (f"the chat history {self.path} was damaged ({problem}); restored the copy kept at "
+                       f"{self.backup_path.name} (the damaged file is kept as {broken.name})")
+        _log.warning("localrun: %s", self.notice)
+
+    def _keep_copy(self) -> None:
+        """Snapshot the history (checked sound at open) to the .bak file beside it, atomically."""
+        try:
+            _copy_db(self.path, self.backup_path)
+        except (OSError, sqlite3.Error) as e:  # a full disk must not keep the chats from opening
+            _log.warning("localrun: could not keep a copy of the chat history at %s: %s", self.backup_path, e)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -218,6 +258,36 @@ class ConversationStore:
         for t in conv.turns:
             lines += [f"## {'You' if t.role == 'user' else 'Assistant'}", "", t.content, ""]
         return "\n".join(lines)
+
+
+def _damage(path: Path, empty_is_damage: bool = False) -> str | None:
+    """What is wrong with an SQLite file (None when sound or absent): sqlite's error or quick_check's report."""
+    try:
+        if path.stat().st_size == 0:
+            # A fresh file is empty too; with a kept copy beside it, an empty one was truncated.
+            return "the file is empty" if empty_is_damage else None
+    except FileNotFoundError:
+        return None
+    try:
+        # Read-write, so that a hot journal of an interrupted write is rolled back rather than reported.
+        with closing(sqlite3.connect(path, timeout=10)) as db:
+            rows = db.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    report = "; ".join(" ".join(str(r[0]).split()) for r in rows)
+    return None if report == "ok" else report[:200]
+
+
+def _copy_db(src: Path, dst: Path) -> None:
+    """A consistent copy of an SQLite database, written beside dst and renamed over it."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        with closing(sqlite3.connect(src, timeout=10)) as a, closing(sqlite3.connect(tmp)) as b:
+            a.backup(b)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _conversation(row: Any, turns: tuple[Turn, ...] = (), message_count: int = 0) -> Conversation:
