@@ -30,7 +30,14 @@ from convert.plan import Plan, build_plan
 from convert.progress import ProgressCallback
 from convert.quantize import quantize_file
 from convert.vocab import load_vocab
-from convert.writer import atomic_output, check_space, check_target, temp_path, write_model
+from convert.writer import (
+    atomic_output,
+    check_space,
+    check_target,
+    remove_stale_temps,
+    temp_path,
+    write_model,
+)
 
 LoraSpec = Sequence[tuple[str | os.PathLike[str] | Adapter, float]]
 
@@ -87,6 +94,7 @@ def run(
     if dry_run:
         return Result(out, plan, 0.0)
     check_target(out, force)
+    remove_stale_temps(out)
     check_space(out.parent, plan.gguf_bytes + (plan.final_bytes if plan.quantized else 0))
     start = time.monotonic()
     with atomic_output(out) as tmp:
@@ -359,6 +367,7 @@ def convert_adapter(
     if dry_run:
         return result
     check_target(out_p, force)
+    remove_stale_temps(out_p)
     check_space(out_p.parent, sum(outtypes.nbytes(t.shape, qtype) for t in tensors))
 
     def metadata(w: gguf.GGUFWriter) -> None:

@@ -13,9 +13,16 @@ from pathlib import Path
 from convert import outtypes
 from convert.errors import ConvertError
 from convert.progress import Progress, ProgressCallback
-from convert.writer import check_space, check_target, temp_path
+from convert.writer import check_space, check_target, remove_stale_temps, temp_path
 
 _TENSOR_LINE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+# Runs the worker module in a child that dies with this process: a killed quantize leaves no
+# orphan still writing its temporary file.
+_BOOT = (
+    "import runpy, sys; from convert.quantize import _die_with_parent; "
+    "_die_with_parent(int(sys.argv.pop(1))); "
+    "runpy.run_module('convert._quantize_worker', run_name='__main__', alter_sys=True)"
+)
 
 
 def quantize_file(
@@ -30,8 +37,9 @@ def quantize_file(
     ftype = outtypes.F.MOSTLY_Q8_0 if outtype == "q8_0" else outtypes.LLAMA_CPP[outtype]
     cmd = [
         sys.executable,
-        "-m",
-        "convert._quantize_worker",
+        "-c",
+        _BOOT,
+        str(os.getpid()),
         str(src),
         str(dst),
         str(int(ftype)),
@@ -84,6 +92,18 @@ def quantize_file(
         )
 
 
+def _die_with_parent(parent: int) -> None:
+    """In the worker: be killed when the parent dies (Linux), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _pythonpath() -> str:
     root = str(Path(__file__).resolve().parent.parent)
     old = os.environ.get("PYTHONPATH")
@@ -116,6 +136,7 @@ def quantize(
     if out_p.resolve() == src_p.resolve():
         raise ConvertError("the output would overwrite the input", "choose another -o")
     check_target(out_p, force)
+    remove_stale_temps(out_p)
     check_space(out_p.parent, src_p.stat().st_size)
     tmp = temp_path(out_p)
     try:

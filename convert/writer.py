@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -20,6 +21,8 @@ from convert.checkpoint import Checkpoint
 from convert.errors import ConvertError
 from convert.plan import Plan, PlannedTensor
 from convert.progress import Progress, ProgressCallback
+
+log = logging.getLogger(__name__)
 
 BLOCK_BYTES = (
     8 << 20
@@ -50,6 +53,41 @@ def check_space(folder: Path, needed: int) -> None:
 def temp_path(out: Path, tag: str = "partial") -> Path:
     """A hidden temporary name next to out (same filesystem, so the rename is atomic)."""
     return out.with_name(f".{out.name}.{os.getpid()}.{tag}")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path) -> int:
+    """Remove out's temporary files whose writer no longer runs (a killed run); returns the bytes freed."""
+    prefix = f".{out.name}."
+    freed, count = 0, 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(out.parent):
+            if not entry.name.startswith(prefix) or not entry.is_file(follow_symlinks=False):
+                continue
+            pid, _, tag = entry.name[len(prefix) :].partition(".")
+            # A live process may be writing it, and this one may hold it in a finally block.
+            if not pid.isdigit() or not tag or "." in tag or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                size = entry.stat(follow_symlinks=False).st_size
+                os.unlink(entry.path)
+                freed, count = freed + size, count + 1
+    if count:
+        log.warning(
+            "removed %d temporary file%s of %s left by an interrupted run (%.1f MB)",
+            count, "" if count == 1 else "s", out, freed / 1e6,
+        )
+    return freed
 
 
 @contextlib.contextmanager
