@@ -5,10 +5,14 @@ interrupted download restarts from byte 0, and it checks sizes only. Here each b
 with ranged requests into `blobs/<etag>.incomplete` (the name older huggingface_hub versions also
 resumed from), under the same lock file huggingface_hub takes, hashed while it streams, and
 renamed into place only when its sha256 (LFS files) or git blob id (small files) matches.
+A server that ignores Range has the bytes already held skipped, a Retry-After is honoured up to
+RETRY_AFTER_MAX, and a body that would run past the listed size is refused, never installed.
 """
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import hashlib
 import os
 import queue
@@ -24,6 +28,7 @@ from localrun.errors import CancelledError, HubError
 MAX_RETRIES = 6  # consecutive failures without progress before giving up
 BACKOFF_BASE = 0.5  # seconds; doubled after each failure, capped at BACKOFF_MAX
 BACKOFF_MAX = 8.0
+RETRY_AFTER_MAX = 60.0  # seconds; a server asking for longer gets a clear error, not a silent wait
 READ_TIMEOUT = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT") or 10)
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -169,7 +174,7 @@ def fetch(
     """Download `blob` to `dest` (resuming `dest.incomplete`); returns the bytes fetched this time.
 
     The partial file survives errors, cancellation and killed processes; it is deleted only when
-    the finished file fails verification.
+    the finished file fails verification or the server sent more than the file holds.
     """
     import httpx2
 
@@ -199,46 +204,47 @@ def fetch(
             req = {**headers, "Accept-Encoding": "identity"}
             if offset:
                 req["Range"] = f"bytes={offset}-"
+            before = offset
             try:
                 timeout = httpx2.Timeout(READ_TIMEOUT, connect=READ_TIMEOUT)
                 with session.stream("GET", blob.url, headers=req, timeout=timeout) as r:
                     if r.status_code in _RETRY_STATUS:
-                        raise _RetryableStatus(r.status_code)
+                        raise _RetryableStatus(r.status_code, retry_after(r.headers.get("Retry-After")))
                     if r.status_code >= 400:
                         r.read()
                         raise_for_status(r)
-                    start = _range_start(r.headers.get("Content-Range")) if r.status_code == 206 else 0
-                    if start != offset:
-                        # The server ignored or changed the range: start over from its offset (0).
-                        f.truncate(0)
-                        f.seek(0)
-                        offset = 0
-                        hasher.close()
-                        hasher = _Hasher(blob)
+                    skip = offset - _body_start(r, blob, offset)
                     f.seek(offset)
                     for chunk in r.iter_raw():
+                        if skip:  # bytes before `offset` that the server resent (it ignored Range)
+                            cut = min(skip, len(chunk))
+                            chunk, skip = chunk[cut:], skip - cut
+                            if not chunk:
+                                continue
+                        if offset + len(chunk) > blob.size:
+                            f.close()
+                            part.unlink(missing_ok=True)
+                            raise HubError(
+                                f"the server sent more than the {blob.size} bytes of '{blob.filename}';"
+                                " the partial file was deleted and nothing was installed",
+                                "run the pull again; if it keeps failing, a proxy or the Hub is serving another file",
+                            )
                         f.write(chunk)
                         hasher.update(chunk)
                         offset += len(chunk)
                         fetched += len(chunk)
                         failures = 0
-                        if offset > blob.size:
-                            raise HubError(
-                                f"the server sent more than the {blob.size} bytes of '{blob.filename}'",
-                                "run the pull again",
-                            )
                         meter.update(offset)
                         if cancel is not None and cancel.is_set():
                             break
-            except (httpx2.TransportError, _RetryableStatus) as e:
+                if offset == before and not (cancel is not None and cancel.is_set()):
+                    raise _Unusable("the server's answer ended before any new byte")
+            except (httpx2.TransportError, _RetryableStatus, _Unusable) as e:
                 failures += 1
-                if failures > MAX_RETRIES:
-                    raise HubError(
-                        f"downloading '{blob.filename}' failed after {MAX_RETRIES} retries ({_describe(e)});"
-                        f" {offset} of {blob.size} bytes are kept",
-                        "check the connection and run the same pull again: it resumes where it stopped",
-                    ) from e
-                _wait(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_MAX), cancel)
+                wait = _retry_wait(e, failures)
+                if failures > MAX_RETRIES or wait > RETRY_AFTER_MAX:
+                    raise _gave_up(blob, offset, failures, wait, e) from e
+                _wait(wait, cancel)
         meter.update(offset, force=True)
         digest = hasher.hexdigest()
         if digest != hasher.expected:
@@ -259,20 +265,105 @@ def fetch(
             hasher.close()
         if not f.closed:
             f.close()
+        if part.exists() and part.stat().st_size == 0:
+            part.unlink()  # nothing held: leave no empty partial file behind
 
 
 class _RetryableStatus(Exception):
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, retry_after: float | None = None) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
+        self.retry_after = retry_after
 
 
-def _range_start(content_range: str | None) -> int:
-    """The first byte of a `Content-Range: bytes a-b/n` header (-1 when absent or malformed)."""
+class _Unusable(Exception):
+    """An answer that brought no byte past what was already held, or a range that cannot be used."""
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a `Retry-After` header asks to wait (delay-seconds or an HTTP date); None if absent or bad."""
+    if not value or not value.strip():
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
     try:
-        return int((content_range or "").split()[1].split("-")[0])
-    except (IndexError, ValueError):
-        return -1
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
+
+
+def _retry_wait(e: BaseException, failures: int) -> float:
+    """The server's Retry-After when it gave one, else exponential backoff."""
+    if isinstance(e, _RetryableStatus) and e.retry_after is not None:
+        return e.retry_after
+    return min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_MAX)
+
+
+def _gave_up(blob: Blob, offset: int, failures: int, wait: float, e: BaseException) -> HubError:
+    kept = f"{offset} of {blob.size} bytes are kept"
+    if wait > RETRY_AFTER_MAX:
+        return HubError(
+            f"downloading '{blob.filename}': the server answered {_describe(e)} and asked to wait"
+            f" {wait:.0f} s before retrying, longer than the {RETRY_AFTER_MAX:.0f} s localrun waits; {kept}",
+            "run the same pull again later: it resumes where it stopped",
+        )
+    return HubError(
+        f"downloading '{blob.filename}' failed after {failures - 1} retries ({_describe(e)}); {kept}",
+        "check the connection and run the same pull again: it resumes where it stopped",
+    )
+
+
+def _body_start(r: Any, blob: Blob, offset: int) -> int:
+    """Where the answer's body starts in the file, checked against what is held and the Hub's size.
+
+    A 200 starts at 0 (the server ignored Range); a 206 where its Content-Range says. A body that
+    would end past the file's size, or a range that starts past what is held, is refused.
+    """
+    length = _int_or_none(r.headers.get("Content-Length"))
+    if r.status_code == 206:
+        first, last, total = _content_range(r.headers.get("Content-Range"))
+        if total is not None and total != blob.size:
+            raise _wrong_size(blob, f"a size of {total} bytes")
+        if first < 0 or first > offset or (last is not None and last >= blob.size):
+            raise _Unusable(f"the server answered a range from byte {first} for a resume at byte {offset}")
+        start = first
+    else:
+        start = 0
+    if length is not None and start + length > blob.size:
+        raise _wrong_size(blob, f"{length} bytes from byte {start}")
+    return start
+
+
+def _wrong_size(blob: Blob, announced: str) -> HubError:
+    return HubError(
+        f"the server announced {announced} for '{blob.filename}', but the Hub lists {blob.size} bytes;"
+        " nothing was written",
+        "run the pull again; if it keeps failing, a proxy or the Hub is serving another file",
+    )
+
+
+def _content_range(value: str | None) -> tuple[int, int | None, int | None]:
+    """(first, last, total) of `Content-Range: bytes a-b/n`; first is -1 when absent or malformed."""
+    try:
+        unit, spec = (value or "").split(None, 1)
+        span, total = spec.split("/")
+        first, last = span.split("-")
+        if unit != "bytes":
+            raise ValueError(unit)
+        return int(first), int(last), None if total.strip() == "*" else int(total)
+    except ValueError:
+        return -1, None, None
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _describe(e: BaseException) -> str:
