@@ -107,12 +107,90 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Limits of one render: a template from a model file must not hang the engine or fill its memory.
+TEMPLATE_SECONDS = 5.0  # of work inside the template's own code
+TEMPLATE_MIN_OUTPUT = 4 << 20  # characters; a prompt may be larger when its messages are
+TEMPLATE_OUTPUT_FACTOR = 8  # ... up to this many times the characters of the messages and tools
+
+
+class _TemplateLimit(Exception):
+    """A render went past a limit (time or size)."""
+
+
+def _limited_env() -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Limited(ImmutableSandboxedEnvironment):  # type: ignore[misc]
+        """The immutable sandbox, refusing the operators that build huge values in one step."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            limit = _LIMITS.output
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > limit:
+                        raise _TemplateLimit(f"it builds a value of {len(seq) * n} items (the limit is {limit})")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and max(abs(left), 2).bit_length() * right > 1 << 16:
+                raise _TemplateLimit(f"it computes {left} ** {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return Limited
+
+
+class _Limits:
+    """The current render's budget (one render at a time per thread; renders are short)."""
+
+    output = TEMPLATE_MIN_OUTPUT
+
+
+_LIMITS = _Limits()
+
+
+TEMPLATE_MEMORY = 512 << 20  # bytes a render may add to the process
+
+
+def _resident() -> int | None:
+    """This process's resident memory in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _deadline_tracer(deadline: float) -> Any:
+    """A trace function that stops the template's code once the deadline passes or its memory
+    grows too much (Jinja compiles a template to Python code, so a loop that produces nothing,
+    or a string doubled in a loop, is still seen)."""
+    import time
+
+    start = _resident()
+    checked = [time.monotonic()]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        now = time.monotonic()
+        if now > deadline:
+            raise _TemplateLimit(f"it ran for more than {TEMPLATE_SECONDS:g} s")
+        if start is not None and now - checked[0] >= 0.005:  # memory every few ms of template work
+            checked[0] = now
+            used = _resident()
+            if used is not None and used - start > TEMPLATE_MEMORY:
+                raise _TemplateLimit(f"it took more than {TEMPLATE_MEMORY >> 20} MB of memory")
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    return calls
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> Any:
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _limited_env()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -132,19 +210,34 @@ def render_template(
 
     Raises BadModelFileError when the template is broken or tries to reach Python internals.
     """
+    import sys
+    import time
+
     from jinja2.exceptions import SecurityError, TemplateError
 
+    data = [m.to_dict() for m in messages]
+    size = sum(len(m.content) for m in messages) + len(json.dumps(extra, default=str)) if extra else \
+        sum(len(m.content) for m in messages)
+    limit = max(TEMPLATE_MIN_OUTPUT, TEMPLATE_OUTPUT_FACTOR * size)
+    previous = sys.gettrace()
     try:
         template = _compile(source)
-        return str(
-            template.render(
-                messages=[m.to_dict() for m in messages],
-                bos_token=bos_token,
-                eos_token=eos_token,
-                add_generation_prompt=add_generation_prompt,
-                **extra,
-            )
-        )
+        _LIMITS.output = limit
+        sys.settrace(_deadline_tracer(time.monotonic() + TEMPLATE_SECONDS))
+        parts: list[str] = []
+        total = 0
+        for piece in template.generate(messages=data, bos_token=bos_token, eos_token=eos_token,
+                                       add_generation_prompt=add_generation_prompt, **extra):
+            total += len(piece)
+            if total > limit:
+                raise _TemplateLimit(f"its output passed {limit} characters")
+            parts.append(piece)
+        return "".join(parts)
+    except _TemplateLimit as e:
+        raise BadModelFileError(
+            f"the model's chat template was stopped: {e}",
+            "use a model from a source you trust, or pass --raw to skip the template",
+        ) from None
     except SecurityError as e:
         raise BadModelFileError(
             f"the model's chat template tried an unsafe operation and was refused ({e})",
@@ -154,6 +247,9 @@ def render_template(
         raise BadModelFileError(
             f"the model's chat template failed: {e}", "pass --raw to skip the template"
         ) from e
+    finally:
+        sys.settrace(previous)
+        _LIMITS.output = TEMPLATE_MIN_OUTPUT
 
 
 def render_plain(messages: Sequence[Message]) -> str:

@@ -99,3 +99,36 @@ def test_stop_matcher_flushes_unmatched_tail() -> None:
     out1, hit1 = m.feed("Answer\nUs")
     assert (out1, hit1) == ("Answer", False)
     assert m.flush() == "\nUs"
+
+
+RUNAWAY = [
+    # (template, what the error says)
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
+    ("{% set x = 'ab' * 40000 %}{% for c in x %}{% for d in x %}{% endfor %}{% endfor %}", "ran for more than"),
+    ("{{ 'a' * 1000000000 }}", "builds a value of 1000000000 items"),
+    ("{{ [0] * 100000000 }}", "builds a value of 100000000 items"),
+    ("{{ 7 ** 100000000 }}", "computes 7 ** 100000000"),
+    ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     "MB of memory"),
+    ("{% for i in range(100000) %}{% for j in range(100) %}0123456789{% endfor %}{% endfor %}", "output passed"),
+]
+
+
+@pytest.mark.parametrize(("source", "reason"), RUNAWAY)
+def test_runaway_templates_are_stopped_by_limits(source: str, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import localrun.chat as chat
+
+    monkeypatch.setattr(chat, "TEMPLATE_SECONDS", 0.5)  # the limit is the behaviour: keep the test short
+    with pytest.raises(BadModelFileError) as e:
+        render_template(source, parse_messages(CONVERSATION))
+    assert "the model's chat template was stopped" in e.value.message and reason in e.value.message
+    assert "--raw" in (e.value.hint or "")
+    # the next render works: no limit or trace is left behind
+    assert render_template("{{ messages[0]['content'] }}", parse_messages(CONVERSATION)) == CONVERSATION[0]["content"]
+
+
+def test_a_long_conversation_is_not_a_runaway_template() -> None:
+    long = "word " * 2_000_000  # 10 MB: above the minimum output limit, within 8x the messages
+    out = render_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+                          parse_messages([{"role": "user", "content": long}]))
+    assert out == f"user: {long}\n"
