@@ -38,7 +38,8 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+n", "new", "New"),
-        Binding("ctrl+e", "export", "Export", show=False),
+        # priority: the prompt (an Input) would take ctrl+e as "end of line" otherwise
+        Binding("ctrl+e", "export", "Export", show=False, priority=True),
     ]
 
     def __init__(self) -> None:
