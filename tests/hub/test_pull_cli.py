@@ -23,3 +23,14 @@ def test_pull_a_named_file_then_run_it(hub: HubServer, cli) -> None:  # noqa: AN
 
     missing = cli("pull", f"{QUANT_REPO}:no-such-file.gguf", env=hub.env())
     assert missing.returncode != 0 and "no-such-file.gguf" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_pull_revision_pins_the_commit(hub: HubServer, cli) -> None:  # noqa: ANN001
+    sha = hub.state.repos[QUANT_REPO].sha
+    res = cli("pull", f"{QUANT_REPO}:Q4_K_M", "--revision", sha, env=hub.env())
+    assert res.returncode == 0, res.stderr
+    path = json.loads(cli("show", "stories-260k:q4_k_m", "--json", env=hub.env()).stdout)["path"]
+    assert f"/snapshots/{sha}/" in path  # the file of that commit
+    assert any(f"/resolve/{sha}/" in r.path for r in hub.requests(f"/{QUANT_REPO}/resolve/"))
+    unknown = cli("pull", f"{QUANT_REPO}:Q4_K_M", "--revision", "no-such-branch", env=hub.env())
+    assert unknown.returncode != 0 and "no-such-branch" in unknown.stderr and "Traceback" not in unknown.stderr
