@@ -156,7 +156,10 @@ def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, syst
             data = json.loads(text)
         except json.JSONDecodeError as e:
             m = _ID_IN_BROKEN_JSON.search(text)
-            row_id: Any = json.loads(m.group(1)) if m else n
+            try:
+                row_id: Any = json.loads(m.group(1)) if m else n
+            except ValueError:  # the id itself is broken too (a bad escape, a raw control character)
+                row_id = n
             rows.append(BatchRow(row_id, n, error=f"line {n}: invalid JSON ({e.msg} at column {e.colno})"))
             continue
         rows.append(parse_row(data, n, defaults, system, raw))

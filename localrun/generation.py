@@ -22,6 +22,14 @@ def _adapters(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def _finite(value: float) -> bool:
+    """math.isfinite, false for an int too large for a float (JSON allows any number of digits)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check(cond: bool, flag: str, value: Any, expected: str) -> None:
     if not cond:
         raise UsageError(f"invalid value for {flag}: {value!r}", f"expected {expected}")
@@ -50,16 +58,16 @@ class GenerationParams:
     lora: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
+        _check(_finite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
         _check(0 < self.top_p <= 1, "--top-p", self.top_p, "a number in (0, 1]")
         _check(self.top_k >= 0, "--top-k", self.top_k, "an integer >= 0 (0 disables it)")
         _check(0 <= self.min_p <= 1, "--min-p", self.min_p, "a number in [0, 1]")
-        _check(math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0, "--repeat-penalty", self.repeat_penalty, "a number > 0 (1 disables it)")
+        _check(_finite(self.repeat_penalty) and self.repeat_penalty > 0, "--repeat-penalty", self.repeat_penalty, "a number > 0 (1 disables it)")
         _check(self.repeat_last_n >= 0, "--repeat-last-n", self.repeat_last_n, "an integer >= 0")
         _check(self.seed is None or 0 <= self.seed < 2**32, "--seed", self.seed, "an integer in [0, 2^32)")
         _check(self.max_tokens is None or self.max_tokens > 0, "--max-tokens", self.max_tokens, "an integer > 0")
-        _check(math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
-        _check(math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "an integer in [0, 20]")
         _check(self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
                "grammar_trigger", self.grammar_trigger, "a non-empty text, with a grammar")

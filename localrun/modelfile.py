@@ -90,6 +90,11 @@ class GGUFMeta:
         return meta
 
 
+def _safe(text: str) -> str:
+    """Text from the file as quoted in an error: control characters escaped, so it stays one line."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Cursor:
     """A bounds-checked reader over the file's bytes."""
 
@@ -100,7 +105,7 @@ class _Cursor:
 
     def fail(self, what: str) -> BadModelFileError:
         return BadModelFileError(
-            f"'{self.path}' is not a valid GGUF file: {what} (at byte {self.pos})",
+            f"'{self.path}' is not a valid GGUF file: {_safe(what)} (at byte {self.pos})",
             "the file may be truncated or corrupted; download or convert it again",
         )
 
@@ -296,7 +301,7 @@ def parse_gguf_header(buf: bytes | mmap.mmap, shown: str, size: int, whole_model
     for t in infos:
         if data_start + t.offset + t.n_bytes > size:
             raise BadModelFileError(
-                f"'{shown}' is truncated: tensor '{t.name}' ends at byte {data_start + t.offset + t.n_bytes}"
+                f"'{shown}' is truncated: tensor '{_safe(t.name)}' ends at byte {data_start + t.offset + t.n_bytes}"
                 f" but the file has {size}",
                 "download or convert it again",
             )
@@ -331,7 +336,7 @@ def _check_model(meta: GGUFMeta) -> None:
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and isinstance(value, int):
             if not 0 <= value < n_vocab and value != 0xFFFFFFFF:
                 raise BadModelFileError(
-                    f"'{shown}' sets {key} = {value}, outside its vocabulary of {n_vocab}",
+                    f"'{shown}' sets {_safe(key)} = {value}, outside its vocabulary of {n_vocab}",
                     "convert the model again",
                 )
     if meta.metadata.get("tokenizer.ggml.model") == "llama":
@@ -352,13 +357,13 @@ def _check_adapter(meta: GGUFMeta) -> None:
     shown = meta.path
     kind = meta.metadata.get("adapter.type")
     if kind != "lora":
-        raise BadModelFileError(f"'{shown}' is a {kind or 'untyped'} adapter; localrun runs LoRA adapters",
+        raise BadModelFileError(f"'{shown}' is a {_safe(str(kind or 'untyped'))} adapter; localrun runs LoRA adapters",
                                 "convert the PEFT adapter folder with 'localrun convert ADAPTER_DIR'")
     names = {t.name for t in meta.tensors}
     unpaired = sorted(n for n in names if n.endswith((".lora_a", ".lora_b"))
                       and (n[:-1] + ("b" if n.endswith("a") else "a")) not in names)
     if unpaired:
-        raise BadModelFileError(f"'{shown}' has an unpaired LoRA tensor '{unpaired[0]}'",
+        raise BadModelFileError(f"'{shown}' has an unpaired LoRA tensor '{_safe(unpaired[0])}'",
                                 "convert the adapter again with 'localrun convert ADAPTER_DIR'")
 
 

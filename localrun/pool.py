@@ -238,7 +238,9 @@ class Pool:
                     if e.users == 0 and e.ready.is_set() and e.expires <= now:
                         self._evict(e)
                 nearest = min((e.expires for e in self._entries.values() if e.users == 0), default=math.inf)
-                self._lock.wait(None if math.isinf(nearest) else max(0.01, nearest - time.monotonic()))
+                # A keep-alive of 1e308 s is finite but no timeout the OS takes: it would kill this thread.
+                wait = min(threading.TIMEOUT_MAX, max(0.01, nearest - time.monotonic()))
+                self._lock.wait(None if math.isinf(nearest) else wait)
 
     def close(self) -> None:
         """Unload every model."""

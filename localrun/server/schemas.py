@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from localrun.constraint import Constraint
 from localrun.errors import UsageError
@@ -20,6 +21,25 @@ MAX_N = 16  # choices per request (each one is a sequence in the engine)
 SEED_LIMIT = 2**32
 
 
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a JSON value holds a string with an unpaired \\uD800-\\uDFFF escape, which no
+    UTF-8 text (a prompt for the tokenizer, a reply) can carry. Iterative: bodies nest deeply."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -27,6 +47,9 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """Clients send `"field": null` for fields they leave unset."""
+        if _has_lone_surrogate(data):
+            raise PydanticCustomError("unpaired_surrogate", "the request body holds text with an unpaired "
+                                      "surrogate escape (\\ud800-\\udfff); send valid Unicode")
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
