@@ -26,6 +26,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _kill_engine(proc: subprocess.Popen) -> str:
+    """SIGKILL the command's engine worker; the command's return code and the rest of its stderr."""
+    try:
+        (worker,) = _children(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return err.decode() if isinstance(err, bytes) else err
+
+
 def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "localrun", *args]
 
@@ -33,15 +45,8 @@ def _cmd(*args: str) -> list[str]:
 def test_run_whose_engine_is_killed_says_so_and_the_next_run_works(starter: Path) -> None:
     proc = subprocess.Popen(_cmd("run", "smollm2:135m", "Write a long story about a dragon.", "--temperature", "0",
                                  "--max-tokens", "400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None and proc.stdout.read(1)  # the reply has started streaming
-        (worker,) = _children(proc.pid)
-        os.kill(worker, signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = err.decode()
+    assert proc.stdout is not None and proc.stdout.read(1)  # the reply has started streaming
+    text = _kill_engine(proc)
     assert proc.returncode == 1, text
     assert "engine crashed" in text and "SIGKILL" in text and "Traceback" not in text
     again = subprocess.run(_cmd("run", "smollm2:135m", "The capital of France is", "--raw", "--temperature", "0",
@@ -55,17 +60,11 @@ def test_batch_whose_engine_is_killed_keeps_its_rows_and_resumes(starter: Path, 
     args = _cmd("batch", "smollm2:135m", "-i", str(rows), "-o", str(out), "--temperature", "0", "--max-tokens", "24",
                 "-p", "4")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:  # a progress line follows every written row
-            if "rows," in line and not line.startswith("localrun batch: 0/"):
-                break
-        (worker,) = _children(proc.pid)
-        os.kill(worker, signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    assert proc.stderr is not None
+    for line in proc.stderr:  # a progress line follows every written row
+        if "rows," in line and not line.startswith("localrun batch: 0/"):
+            break
+    err = _kill_engine(proc)
     assert proc.returncode == 1 and "engine crashed" in err and "Traceback" not in err, err
     kept = [json.loads(line) for line in out.read_text().splitlines()]  # only whole rows
     assert 1 <= len(kept) < 24 and all("text" in r for r in kept)
