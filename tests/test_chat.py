@@ -118,7 +118,9 @@ RUNAWAY = [
 def test_runaway_templates_are_stopped_by_limits(source: str, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import localrun.chat as chat
 
-    monkeypatch.setattr(chat, "TEMPLATE_SECONDS", 0.5)  # the limit is the behaviour: keep the test short
+    # The time limit is the behaviour of the endless loops: keep those short. The other cases must
+    # meet their own limit first however slow a loaded machine is: the time limit stays out of the way.
+    monkeypatch.setattr(chat, "TEMPLATE_SECONDS", 0.5 if reason == "ran for more than" else 120.0)
     with pytest.raises(BadModelFileError) as e:
         render_template(source, parse_messages(CONVERSATION))
     assert "the model's chat template was stopped" in e.value.message and reason in e.value.message
