@@ -193,6 +193,7 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
     if not runnable:
         return
     started_here = not ray.is_initialized()
+    actors: list[_Actor] = []
     if started_here:
         _init(ray, opts.address)
     try:
@@ -210,7 +211,7 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
                                     scheduling_strategy="SPREAD").remote(model, options, engine, opts.model_path)
             return _Actor(index, handle)
 
-        actors = [spawn(i) for i in range(n_actors)]
+        actors += [spawn(i) for i in range(n_actors)]
         say(f"ray: {n_actors} actor(s), {cpus:g} CPU(s){f' and {gpus:g} GPU(s)' if gpus else ''} each, "
             f"{len(blocks)} block(s) of up to {size} rows")
         for a, info in zip(actors, _describe(ray, actors), strict=True):
@@ -281,13 +282,13 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
                 yield record
                 tick()
     finally:
-        for a in locals().get("actors", []):
+        for a in actors:
             if a.busy > 0:  # stopped or failed with blocks in flight: count the time they ran
                 a.seconds += time.perf_counter() - a.since
         summary.actors = [{"actor": a.index, "pid": a.pid, "node": a.node, "rows": a.rows, "tokens": a.tokens,
                            "seconds": round(a.seconds, 3), "tokens_per_second": a.tokens / a.seconds if a.seconds else 0.0,
-                           "error": a.dead} for a in locals().get("actors", [])]
-        for a in locals().get("actors", []):
+                           "error": a.dead} for a in actors]
+        for a in actors:
             try:
                 ray.kill(a.handle)
             except Exception:  # noqa: BLE001 - already gone
