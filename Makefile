@@ -40,7 +40,7 @@ test-tools:
 		{ echo "install tmux for the TUI smoke test" >&2; exit 1; }
 
 test: dev lint test-tools
-	LOCALRUN_TEST_STRICT=1 $(BIN)/python -m pytest -q -p no:cacheprovider -rs
+	LOCALRUN_TEST_STRICT=1 LOCALRUN_RELIABILITY_README=1 $(BIN)/python -m pytest -q -p no:cacheprovider -rs
 
 bench: dev
 	$(PIP) install -q -e ".[dev,bench]"

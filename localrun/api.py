@@ -25,6 +25,7 @@ from localrun.backends.base import (
 from localrun.errors import BackendUnavailableError, ConversionError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
+from localrun.system import disk_full, mount_point
 
 if TYPE_CHECKING:
     from localrun.adapters import Target
@@ -327,6 +328,15 @@ def convert_checkpoint(
                                progress=progress, lora=list(lora) or None)
     except convert.ConvertError as e:
         raise ConversionError(e.message, e.hint) from e
+    except OSError as e:
+        where = Path(out).parent if out is not None else Path(src)
+        if (full := disk_full(e, where)) is None:
+            raise
+        raise ConversionError(
+            f"cannot write the converted model {'to ' + repr(str(out)) if out is not None else 'into ' + str(where)}:"
+            f" {full}; the partial file was removed and nothing was registered",
+            f"free some space on {mount_point(where)}, or write elsewhere with -o",
+        ) from e
 
 
 def convert_model(

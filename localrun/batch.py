@@ -9,7 +9,6 @@ and --resume skips the ids already in the output. A bad row becomes {"id", "erro
 from __future__ import annotations
 
 import csv
-import errno
 import io
 import json
 import os
@@ -24,6 +23,7 @@ from typing import Any
 from localrun.backends.base import Cancel, Session
 from localrun.errors import LocalrunError, StoreError, UsageError
 from localrun.generation import GenerationParams, Request
+from localrun.system import disk_full, mount_point
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
@@ -351,11 +351,9 @@ class Writer:
 
     def _error(self, e: OSError, cut: bool) -> StoreError:
         kept = "the rows finished before are kept" + ("" if cut else "; the last line is torn (--resume removes it)")
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            disk = _mount_point(Path(self.path).resolve().parent)
-            full = "full" if e.errno == errno.ENOSPC else "over its quota"
-            return StoreError(f"cannot write output file '{self.path}': the disk at {disk} is {full}"
-                              f" ({e.strerror}); {kept}",
+        if (full := disk_full(e, Path(self.path).resolve().parent)) is not None:
+            disk = mount_point(Path(self.path).resolve().parent)
+            return StoreError(f"cannot write output file '{self.path}': {full} ({e.strerror}); {kept}",
                               f"free some space on {disk}, then run the same command with --resume to finish")
         return StoreError(f"cannot write output file '{self.path}': {e.strerror or e}; {kept}",
                           "run the same command with --resume once the file can be written")
@@ -369,13 +367,6 @@ def _csv_line(values: Iterable[Any]) -> str:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerow(values)
     return buf.getvalue()
-
-
-def _mount_point(path: Path) -> Path:
-    """The mount point of the filesystem that holds path: the disk a user would free."""
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
 
 
 def check_output(path: str, resume: bool) -> None:

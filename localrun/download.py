@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import errno
 import hashlib
 import os
 import queue
@@ -229,7 +230,7 @@ def fetch(
                                 " the partial file was deleted and nothing was installed",
                                 "run the pull again; if it keeps failing, a proxy or the Hub is serving another file",
                             )
-                        f.write(chunk)
+                        _write_all(f, chunk)
                         hasher.update(chunk)
                         offset += len(chunk)
                         fetched += len(chunk)
@@ -267,6 +268,16 @@ def fetch(
             f.close()
         if part.exists() and part.stat().st_size == 0:
             part.unlink()  # nothing held: leave no empty partial file behind
+
+
+def _write_all(f: Any, data: bytes) -> None:
+    """Write every byte: an unbuffered write may take only part of it (a disk about to be full)."""
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
 
 
 class _RetryableStatus(Exception):

@@ -22,6 +22,7 @@ from localrun.errors import HubError, UsageError
 from localrun.fit import FitEstimate
 from localrun.repofiles import RepoFile, default_name, detect_quant, select, split_of
 from localrun.store import ModelInfo, Store, hf_cache_dir
+from localrun.system import disk_full, mount_point
 
 NoticeFn = Callable[[str], None]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -457,9 +458,21 @@ def download(p: PullPlan, progress: ProgressFn | None = None, cancel: Cancel | N
                 if progress:
                     progress(Progress(f.path, f.size, f.size, 0.0, 0.0, f.size, "cached"))
                 continue
-            with hub_errors(p.repo, f.path):
-                fetched += fetch(blob, dest, headers=headers, session=get_session(),
-                                 raise_for_status=hf_raise_for_status, progress=progress, cancel=cancel)
+            try:
+                with hub_errors(p.repo, f.path):
+                    fetched += fetch(blob, dest, headers=headers, session=get_session(),
+                                     raise_for_status=hf_raise_for_status, progress=progress, cancel=cancel)
+            except OSError as e:
+                if (full := disk_full(e, blobs)) is None:
+                    raise
+                part = dest.with_name(dest.name + ".incomplete")
+                kept = part.stat().st_size if part.exists() else 0
+                raise HubError(
+                    f"cannot download '{f.path}' of '{p.repo}': {full}; {kept} of {f.size} bytes are kept"
+                    " and nothing was installed",
+                    f"free some space on {mount_point(blobs)} (or set HF_HUB_CACHE to a larger disk),"
+                    " then run the same pull again: it resumes where it stopped",
+                ) from e
     # Only now, with every file complete and verified, does the model appear in the snapshot.
     for f in p.files:
         _link(blobs / (f.sha256 or f.blob_id or ""), snapshot / f.path)

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shutil
 import subprocess
 import sys
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+
+def mount_point(path: str | os.PathLike[str]) -> Path:
+    """The mount point of the filesystem that holds path: the disk a user would free."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    p = p.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def disk_full(e: BaseException, path: str | os.PathLike[str]) -> str | None:
+    """For a write that failed because its disk is full (or over quota): "the disk at X is full"."""
+    if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    state = "full" if e.errno == errno.ENOSPC else "over its quota"
+    return f"the disk at {mount_point(path)} is {state}"
 
 
 def ram_bytes() -> tuple[int | None, int | None]:

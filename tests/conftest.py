@@ -122,3 +122,19 @@ def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = N
 @pytest.fixture
 def cli():
     return run_cli
+
+
+_RELIABILITY_NOTE = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from . import reliability
+
+    note = reliability.finish(passed=exitstatus == 0 and session.testsfailed == 0)
+    if note:
+        session.config.stash[_RELIABILITY_NOTE] = note
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if (note := config.stash.get(_RELIABILITY_NOTE, None)) is not None:
+        terminalreporter.write_line(note)

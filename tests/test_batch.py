@@ -17,6 +17,8 @@ from localrun import api
 from localrun.batch import finished_ids
 from localrun.generation import GenerationParams, LoadOptions, Request
 
+from . import reliability
+
 PROMPTS = [
     "What is the opposite of hot?",
     "Write a haiku about rain.",
@@ -220,6 +222,9 @@ def test_stopped_batch_resumes_each_id_once(cli, tmp_path: Path, how: str) -> No
     assert sorted(r["id"] for r in final) == ids
     assert final[: len(first)] == first
     assert all(r["completion_tokens"] > 0 and r["finish_reason"] in ("stop", "length") for r in final)
+    if how == "sigkill":
+        reliability.fault("SIGKILL", "batch")
+    reliability.rows(len(first), sum(1 for r in first if r not in final))
 
 
 def test_finished_ids_repairs_a_torn_last_row(tmp_path: Path) -> None:

@@ -4,48 +4,24 @@ rows only, and --resume finishes the batch once there is space again."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import run_cli, skip_or_fail
+from . import disks, reliability
+from .conftest import run_cli
 
 ROWS = 60  # about 120 bytes of output each: more than the page left free
-PAGE = 4096
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs mounted for this test."""
-    if os.geteuid() != 0:
-        skip_or_fail("mounting a small filesystem for the full-disk test needs root")
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        skip_or_fail(f"cannot mount a tmpfs for the full-disk test: {res.stderr.strip()}")
-    try:
+    with disks.small_disk(tmp_path / "small-disk", "64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """Fill the disk with one file, then give back `leave` bytes (whole pages) of it."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        with pytest.raises(OSError) as e:
-            while True:
-                f.write(b"\0" * PAGE)
-        assert e.value.errno == errno.ENOSPC
-        f.truncate(os.fstat(f.fileno()).st_size // PAGE * PAGE - leave)
-    return filler
 
 
 def complete_rows(path: Path) -> list[dict[str, Any]]:
@@ -62,7 +38,7 @@ def test_full_disk_is_one_clear_error_and_resume_finishes(small_disk: Path, tmp_
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": i, "prompt": f"Say the number {n}."}) + "\n" for n, i in enumerate(ids)))
     out = small_disk / "out.jsonl"
-    filler = fill(small_disk, leave=PAGE)
+    filler = disks.fill(small_disk, leave=disks.PAGE)
     batch = ("batch", "smollm2:135m", "--input", str(rows), "--output", str(out), "--temperature", "0",
              "--max-tokens", "8")
 
@@ -84,3 +60,5 @@ def test_full_disk_is_one_clear_error_and_resume_finishes(small_disk: Path, tmp_
     final = complete_rows(out)
     assert sorted(r["id"] for r in final) == ids  # every row exactly once
     assert final[: len(written)] == written  # the rows from before the full disk are kept as they were
+    reliability.fault("full disk", "batch output")
+    reliability.rows(len(written), sum(1 for r in written if r not in final))

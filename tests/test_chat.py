@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,17 @@ import pytest
 from localrun.chat import Message, StopMatcher, parse_messages, render_plain, render_template
 from localrun.errors import BadModelFileError, UsageError
 
+from . import reliability
 from .conftest import ASSETS, assets_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _tally(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each hostile template counts in the README's reliability table (written only if all pass)."""
+    yield
+    if any(k in request.node.name for k in ("injection", "runaway", "raise_exception")):
+        reliability.inputs("chat template")
+
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from . import reliability
+
 ROWS = 64
 
 
@@ -118,6 +120,7 @@ def test_an_actor_killed_mid_block_loses_no_row(cluster: dict[str, Any], starter
     assert "actor 1" in err and "died" in err
     texts = _texts(out)
     assert sorted(texts) == sorted(f"r{i}" for i in range(ROWS)) and all(texts.values())
+    reliability.fault("SIGKILL", "a Ray actor")
 
 
 def test_a_killed_driver_resumes_with_every_id_once(cluster: dict[str, Any], starter: Path, tmp_path: Path) -> None:
@@ -127,12 +130,16 @@ def test_a_killed_driver_resumes_with_every_id_once(cluster: dict[str, Any], sta
     driver.wait_rows(out, 5)
     driver.proc.kill()
     driver.proc.wait(timeout=60)
-    written = len(_records(out))
+    before = _records(out)
+    written = len(before)
     assert 5 <= written < ROWS
     again = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert f"{written} already done" in again.stderr
     assert sorted(_texts(out)) == sorted(f"r{i}" for i in range(ROWS))
+    reliability.fault("SIGKILL", "a Ray batch driver")
+    after = _records(out)
+    reliability.rows(written, sum(1 for r in before if r not in after))
 
 
 def test_an_actor_that_cannot_get_the_model_leaves_its_rows_to_the_other(cluster: dict[str, Any], starter: Path,

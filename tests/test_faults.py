@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from localrun.errors import StoreError
 from tui.conversations import ConversationStore
+
+from . import reliability
+
+
+@pytest.fixture(autouse=True)
+def _tally(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each damaged-file case counts in the README's reliability table (written only if all pass)."""
+    yield
+    name = request.node.name
+    if "damaged" in name or "wrong_shape" in name:
+        reliability.fault("damaged file", "chat history" if "history" in name else "registry.json")
+
 
 # Ways a file gets damaged: cut off mid-content, overwritten with junk, emptied.
 DAMAGE = {

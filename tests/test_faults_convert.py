@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import disks, reliability
 from tests.conftest import assets_or_skip
 
 ASSETS = Path(__file__).resolve().parent.parent.parent / "shared" / "assets"
@@ -154,6 +155,7 @@ def test_sigkill_during_convert_registers_nothing_and_the_next_run_removes_its_t
     assert temp.exists()  # SIGKILL runs no cleanup: this is what the next run must find
     _assert_nothing_registered(cli, out)
     _assert_rerun_cleans_up(cli, out, temp, *args)
+    reliability.fault("SIGKILL", "convert")
 
 
 def test_sigkill_during_quantize_registers_nothing_and_the_next_run_removes_its_temp(
@@ -176,6 +178,7 @@ def test_sigkill_during_quantize_registers_nothing_and_the_next_run_removes_its_
     _assert_nothing_registered(cli, out)
     _assert_rerun_cleans_up(cli, out, temp, *args)
     assert left < out.stat().st_size  # an orphaned worker would have finished writing it
+    reliability.fault("SIGKILL", "quantize")
 
 
 def test_a_live_runs_temp_file_is_left_alone(tmp_path: Path) -> None:
@@ -208,3 +211,83 @@ def test_a_live_runs_temp_file_is_left_alone(tmp_path: Path) -> None:
         assert sleeper.stdin is not None
         sleeper.stdin.close()
         sleeper.wait(timeout=30)
+
+
+def test_sigkill_during_a_ladder_rung_registers_nothing_and_the_next_run_removes_its_temp(
+    cli, wide_llama: Path, tmp_path: Path
+) -> None:
+    import convert
+
+    f16 = convert.convert(str(wide_llama), str(tmp_path / "wide-F16.gguf"), outtype="f16").path
+    text = tmp_path / "eval.txt"
+    text.write_text((Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    ladder = tmp_path / "ladder"
+    args = ("quantize", str(f16), "--ladder", "q8_0", "-o", str(ladder), "--text", str(text), "--imatrix",
+            "none", "--name", "wide", "--ctx", "64", "--chunks", "2", "--bench", "8,2,1", "--threads", "2")
+    ladder.mkdir()
+    rung = ladder / "wide-Q8_0.gguf"
+    temp = _kill_while_writing(rung, *args)
+    for _ in range(POLL_ATTEMPTS):  # the quantize worker dies with the ladder
+        if not _held_open(temp):
+            break
+        time.sleep(POLL_S)
+    else:
+        pytest.fail(f"{temp} is still open after its ladder was killed")
+    assert temp.exists() and not rung.exists()
+    state = ladder / "ladder.json"
+    assert not state.exists() or json.loads(state.read_text())["rungs"] == []
+    listed = json.loads(cli("list", "--json").stdout)
+    assert not [m for m in listed if m["name"] == "wide:q8_0" or "partial" in m["path"]]
+
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "removed 1 temporary file" in r.stderr and not temp.exists()
+    assert [p for p in os.listdir(ladder) if p.startswith(".")] == []
+    [built] = json.loads(state.read_text())["rungs"]
+    assert built["type"] == "q8_0" and Path(built["path"]) == rung and rung.stat().st_size == built["size"]
+    listed = json.loads(cli("list", "--json").stdout)
+    assert [m["path"] for m in listed if m["name"] == "wide:q8_0"] == [str(rung)]
+    reliability.fault("SIGKILL", "a ladder rung")
+
+
+def test_full_disk_during_convert_is_one_clear_error_and_registers_nothing(
+    cli, wide_llama: Path, tmp_path: Path
+) -> None:
+    from localrun import api
+
+    planned = api.convert_checkpoint(wide_llama, tmp_path / "plan.gguf", outtype="q8_0", dry_run=True).plan
+    # Room for the output and the converter's own margin (16 MiB), so its check before the work
+    # passes; the disk is then filled while the file is being written.
+    size_mib = planned.gguf_bytes // 2**20 + 16 + 24
+    with disks.small_disk(tmp_path / "out-disk", f"{size_mib}m") as disk:
+        out = disk / "wide-Q8_0.gguf"
+        args = ("convert", str(wide_llama), "-o", str(out), "--outtype", "q8_0", "--name", "wide:q8_0")
+        before = cli("list", "--json").stdout
+        proc = _start(*args)
+        try:
+            temp = _wait_for_temp(proc, out)
+            proc.send_signal(signal.SIGSTOP)  # held while another program takes the rest of the disk
+            written = temp.stat().st_size
+            assert written < planned.gguf_bytes, "the conversion ended before the disk could be filled"
+            filler = disks.fill(disk)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        _, err_b = proc.communicate(timeout=300)
+        err = err_b.decode()
+        assert proc.returncode == 1, err
+        assert "Traceback" not in err
+        errors = [line for line in err.splitlines() if line.startswith("localrun: ")]
+        assert len(errors) == 1, err
+        assert f"cannot write the converted model to '{out}': the disk at {disk} is full" in errors[0]
+        assert "nothing was registered" in errors[0] and "free some space" in err
+        assert not temp.exists() and not out.exists() and os.listdir(disk) == ["filler"]
+        assert cli("list", "--json").stdout == before
+
+        filler.unlink()
+        r = cli(*args)
+        assert r.returncode == 0, r.stderr
+        assert Path(r.stdout.strip()) == out and out.stat().st_size > planned.gguf_bytes
+        assert [m["path"] for m in json.loads(cli("list", "--json").stdout) if m["name"] == "wide:q8_0"] == [
+            str(out)
+        ]
+    reliability.fault("full disk", "convert")

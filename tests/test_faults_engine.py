@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import reliability
+
 
 def _children(pid: int) -> list[int]:
     """The processes whose parent is pid (the engine worker of a localrun command)."""
@@ -52,6 +54,7 @@ def test_run_whose_engine_is_killed_says_so_and_the_next_run_works(starter: Path
     again = subprocess.run(_cmd("run", "smollm2:135m", "The capital of France is", "--raw", "--temperature", "0",
                                 "--max-tokens", "3"), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "Paris" in again.stdout
+    reliability.fault("SIGKILL", "the engine during run")
 
 
 def test_batch_whose_engine_is_killed_keeps_its_rows_and_resumes(starter: Path, tmp_path: Path) -> None:
@@ -72,3 +75,5 @@ def test_batch_whose_engine_is_killed_keeps_its_rows_and_resumes(starter: Path, 
     assert again.returncode == 0, again.stderr
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == list(range(24))
+    reliability.fault("SIGKILL", "the engine during batch")
+    reliability.rows(len(kept), len({r["id"] for r in kept} - set(ids)))

@@ -24,6 +24,8 @@ from localrun.chat import ROLES
 from localrun.errors import UsageError
 from localrun.generation import GenerationParams
 
+from . import reliability
+
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -64,6 +66,7 @@ any_row = st.one_of(row, row, row, json_values)
 
 def assert_row(r: BatchRow, line: int) -> None:
     """A request and no error, or an error naming the line and no request."""
+    reliability.inputs("batch row")
     assert isinstance(r, BatchRow) and r.line == line
     if r.request is None:
         assert isinstance(r.error, str) and r.error.startswith(f"line {line}: "), r

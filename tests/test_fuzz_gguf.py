@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from localrun.errors import BadModelFileError
 from localrun.modelfile import GGUFMeta, parse_gguf_header, read_gguf
 
+from . import reliability
 from .conftest import STORIES, assets_or_skip
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -188,6 +189,7 @@ def check(blob: bytes, size: int | None = None, whole_model: bool = True) -> GGU
         meta = None
     peak = tracemalloc.get_traced_memory()[1] - before
     assert peak < 64 * len(blob) + (4 << 20), f"parsing a {len(blob)}-byte header allocated {peak} bytes"
+    reliability.inputs("GGUF header")
     return meta
 
 
@@ -260,6 +262,7 @@ def test_files_on_disk(tmp_path: Path, cut: int, flip: int) -> None:
             read_gguf(p)
     except BadModelFileError as e:
         assert str(e).isprintable() and "fuzz.gguf" in e.message
+    reliability.inputs("GGUF header")
 
 
 def test_huge_lengths_are_refused_before_reading() -> None:

@@ -17,6 +17,7 @@ import pytest
 from localrun import api
 from localrun.ladder import Ladder
 
+from . import reliability
 from .ggufs import dequantize_to_f16
 
 FAST = ["--ctx", "64", "--chunks", "4", "--bench", "16,4,1", "--threads", "2"]
@@ -76,6 +77,7 @@ def test_three_rungs_resume_after_sigkill(stories: Path, tmp_path: Path, cli: An
     assert "| type | size MiB |" in res.stdout
     meta = api.get_model("tiny:q4_0").details["metadata"]
     assert meta["localrun.source"] == str(stories.resolve()) and meta["localrun.quantized_from"] == stories.name
+    reliability.fault("SIGKILL", "a quantization ladder")
 
 
 def test_imatrix_lowers_kld_of_an_iquant(starter: Path, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from localrun.errors import CancelledError, HubError
 from localrun.hub import repo_cache_dir
 from localrun.store import hf_cache_dir
 
+from .. import reliability
 from .repos import GATED_REPO, HUGE_REPO, MLX_REPO, QUANT_REPO, SPLIT_REPO, ST_REPO
 from .server import GOOD_TOKEN, HubServer
 
@@ -121,6 +122,7 @@ def test_kill_9_then_pull_again_completes(hub: HubServer, cli) -> None:
     assert (last.range, last.sent) == ("bytes=300000-", size - 300_000)
     assert not part.exists()
     assert "stories-260k:q4_k_m" in names()
+    reliability.fault("SIGKILL", "pull")
 
 
 def test_corrupted_download_is_deleted_and_not_registered(hub: HubServer) -> None:

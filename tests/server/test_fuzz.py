@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from localrun.server import errors
 
+from .. import reliability
 from .conftest import MODEL, Served
 
 # (path, examples): generation is a few tokens each; the rest is cheap.
@@ -150,6 +151,7 @@ def check(path: str, r: Any) -> None:
     """2xx with a well-formed body, or 4xx/503 in the API family's error shape."""
     status = r.status_code
     assert status < 500 or status == 503, f"{path} answered {status}: {r.text[:500]}"
+    reliability.inputs("server request")
     if status >= 400:
         assert_error(path, r.json())
         return

@@ -18,6 +18,7 @@ import pytest
 
 from localrun.generation import LoadOptions
 
+from .. import reliability
 from .conftest import MODEL, Served, serve
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # the model keeps counting: a reply that lasts until it is stopped
@@ -138,3 +139,4 @@ def test_killed_engine_fails_requests_in_flight_and_the_next_one_reloads() -> No
         assert again.choices[0].text.startswith(" Paris")
         [reloaded] = s.pool.loaded()
         assert reloaded.pid != loaded.pid
+    reliability.fault("SIGKILL", "the engine during a served stream")

@@ -20,6 +20,7 @@ import pytest
 
 from localrun.generation import LoadOptions
 
+from .. import reliability
 from .conftest import MODEL, Served, serve
 
 OPTIONS = LoadOptions(n_ctx=256, n_parallel=4, max_queue=32)
@@ -269,3 +270,5 @@ def test_soak_mixed_clients_all_answered_no_leak_all_sequences_free() -> None:
         sent = ROUND * (1 + MEASURED_ROUNDS) + 3  # the rounds, the chat, the n-choice stream, /api/ps
         s.records.wait(lambda r: r.path == "/api/ps", since=mark + 2)
         assert len(s.records.items) == sent, [r.line() for r in s.records.items[-5:]]
+    reliability.inputs("soak request", len(everything))
+    reliability.fault("dropped client", "served streams", sum(1 for o in everything if o.left))

@@ -16,6 +16,8 @@ from tui.screens.chat import ChatScreen
 from tui.screens.library import LibraryScreen
 from tui.widgets.chat import AssistantMessage, UserMessage
 
+from .. import reliability
+
 pytestmark = pytest.mark.slow
 SIZE = (80, 24)
 QUESTION = "What is the opposite of hot?"
@@ -161,6 +163,7 @@ async def _test_engine_crash_is_a_notification_and_the_app_recovers(make_app: An
         screen.conversation = app.conversations.get(screen.conversation.id)
         await ask(pilot, "Hi")
         assert len(app.conversations.get(screen.conversation.id).turns) == 2
+    reliability.fault("SIGKILL", "the engine during a TUI reply")
 
 
 def test_backend_error_is_a_notification(make_app: Any, starter: Path) -> None:
