@@ -214,6 +214,49 @@ def load_pickle(path: Path) -> dict[str, Any]:
     return dict(state)
 
 
+def _repo_name(folder: Path) -> str:
+    """`org/name` for a Hugging Face cache snapshot (models--org--name/snapshots/REV), else the name."""
+    folder = Path(os.path.abspath(folder))
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--") :].replace("--", "/", 1)
+    return folder.name
+
+
+def check_native_layout(folder: str | os.PathLike[str]) -> None:
+    """Refuse a model folder in its publisher's native layout (params.json + consolidated weights)
+    with the Hugging Face layout to use instead: the converter reads config.json folders only."""
+    folder = Path(folder)
+    if (
+        not folder.is_dir()
+        or (folder / "config.json").is_file()
+        or not (folder / "params.json").is_file()
+    ):
+        return
+    names = sorted(p.name for p in folder.iterdir())
+    weights = [
+        n for n in names if n.startswith("consolidated") and n.endswith((".safetensors", ".pth"))
+    ]
+    mistral_tok = [n for n in names if n == "tekken.json" or n.startswith("tokenizer.model.v")]
+    repo = _repo_name(folder)
+    name = repo.rsplit("/", 1)[-1]
+    found = ", ".join(["params.json", *weights[:1], *mistral_tok[:1]])
+    if mistral_tok or any(n.endswith(".safetensors") for n in weights):
+        raise ConvertError(
+            f"{folder} is in Mistral's native layout ({found}), not the Hugging Face layout",
+            f"convert the Hugging Face (transformers) layout of {repo} instead: config.json, "
+            "model*.safetensors and tokenizer.json, from the same repository where it carries "
+            f"them, else from a transformers-format copy such as a '-hf' repository or "
+            f"mistral-community/{name}",
+        )
+    if weights:
+        raise ConvertError(
+            f"{folder} is in Meta's original Llama layout ({found}), not the Hugging Face layout",
+            f"convert the Hugging Face (transformers) layout of {name} instead (for Llama 2: "
+            f"meta-llama/{name}-hf), or make one with transformers' convert_llama_weights_to_hf.py",
+        )
+
+
 def load_checkpoint(folder: Path) -> dict[str, SourceTensor]:
     """Index every weight of a Hugging Face folder (safetensors first, else pytorch_model*.bin)."""
     files = _safetensors_files(folder)

@@ -10,7 +10,7 @@ from typing import Any
 import gguf
 
 from convert.errors import ConvertError
-from convert.pretokenizers import derive_pre
+from convert.pretokenizers import derive_pre, is_byte_level, sentencepiece_prefix, tokenizer_kind
 from convert.source import read_json
 
 T = gguf.TokenType
@@ -154,8 +154,8 @@ def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _spm_style_bpe(tj: dict[str, Any]) -> tuple[list[str], list[int], list[float], bool]:
-    """A tokenizer.json that encodes a SentencePiece BPE (byte fallback, ▁ for spaces)."""
+def _spm_style_bpe(tj: dict[str, Any]) -> tuple[list[str], list[int], list[float]]:
+    """A tokenizer.json that encodes a SentencePiece BPE (▁ for spaces, <0xNN> byte tokens)."""
     model = tj["model"]
     vocab: dict[str, int] = model["vocab"]
     n = max(vocab.values()) + 1
@@ -175,28 +175,20 @@ def _spm_style_bpe(tj: dict[str, Any]) -> tuple[list[str], list[int], list[float
             scores[j] = float(-rank)
     if (unk := model.get("unk_token")) in vocab:
         types[vocab[unk]] = T.UNKNOWN
-    prefix = _spm_prefix(tj)
-    return tokens, types, scores, prefix
+    return tokens, types, scores
 
 
-def _spm_prefix(tj: dict[str, Any]) -> bool:
-    """Whether the tokenizer prepends ▁ to the text (SentencePiece's dummy prefix)."""
-
-    def walk(node: Any) -> list[dict[str, Any]]:
-        if not isinstance(node, dict):
-            return []
-        subs = node.get("normalizers") or node.get("pretokenizers") or []
-        return [node] + [x for s in subs for x in walk(s)]
-
-    for node in walk(tj.get("normalizer")) + walk(tj.get("pre_tokenizer")):
-        if node.get("type") == "Prepend" and node.get("prepend") == "\u2581":
-            return True
-        if node.get("type") == "Metaspace":
-            scheme = node.get(
-                "prepend_scheme", "always" if node.get("add_prefix_space", True) else "never"
-            )
-            return scheme in ("always", "first")
-    return False
+def _check_byte_tokens(tokens: list[str], source: str) -> None:
+    """llama.cpp's SentencePiece tokenizer falls back to <0xNN> tokens and aborts without them."""
+    present = set(tokens)
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in present]
+    if missing:
+        raise ConvertError(
+            f"{source} is a SentencePiece-style vocabulary without {len(missing)} of the 256 byte "
+            f"tokens (e.g. {missing[0]}) that llama.cpp falls back to for text outside the "
+            "vocabulary; llama.cpp would crash on such text",
+            "convert a tokenizer with byte fallback, or a byte-level BPE tokenizer.json",
+        )
 
 
 def _byte_level_bpe(tj: dict[str, Any]) -> tuple[list[str], list[int]]:
@@ -229,15 +221,28 @@ def load_vocab(folder: Path, n_vocab: int | None, add_space_prefix: bool | None 
     prefix: bool | None = None
     remove_ws: bool | None = None
     model_type = (tj.get("model") or {}).get("type")
+    spm_file = (folder / "tokenizer.model").is_file()
+    # What the tokenizer does decides, not its flags: a byte-level tokenizer.json wins over a
+    # stray tokenizer.model (some exports write one), as it does in transformers.
+    kind: str | None = None
+    if model_type == "BPE" and (not spm_file or is_byte_level(tj)):
+        kind = tokenizer_kind(tj)
 
-    if (folder / "tokenizer.model").is_file():
+    if spm_file and kind is None:
         tokens, types, scores, prefix, remove_ws = _sentencepiece(folder, config_added)
         model, pre = "llama", "default"
-    elif model_type == "BPE" and tj["model"].get("byte_fallback"):
-        tokens, types, scores, prefix = _spm_style_bpe(tj)
+        if add_space_prefix is not None:
+            prefix = add_space_prefix
+        if tc.get("add_prefix_space") is not None:
+            prefix = bool(tc["add_prefix_space"])
+        _check_byte_tokens(tokens, str(folder / "tokenizer.model"))
+    elif kind == "sentencepiece":
+        tokens, types, scores = _spm_style_bpe(tj)
         _apply_added(tokens, types, scores, json_added, spm=True)
         model, pre = "llama", "default"
-    elif model_type == "BPE":
+        prefix = sentencepiece_prefix(tj, add_space_prefix)
+        _check_byte_tokens(tokens, str(folder / "tokenizer.json"))
+    elif kind == "byte-level":
         tokens, types = _byte_level_bpe(tj)
         _apply_added(tokens, types, None, json_added, spm=False)
         scores = None
@@ -261,10 +266,6 @@ def load_vocab(folder: Path, n_vocab: int | None, add_space_prefix: bool | None 
                 "the tokenizer files do not belong to this checkpoint",
             )
         _pad(tokens, types, scores, n_vocab)
-    if add_space_prefix is not None:
-        prefix = add_space_prefix
-    if tc.get("add_prefix_space") is not None and model == "llama":
-        prefix = bool(tc["add_prefix_space"])
     special = gguf.SpecialVocab(folder, load_merges=(model == "gpt2"), n_vocab=len(tokens))
     if model == "gpt2" and not special.merges:
         raise ConvertError("the BPE tokenizer has no merges", "tokenizer.json looks incomplete")

@@ -322,8 +322,10 @@ def convert_checkpoint(
         ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
     """
     import convert
+    from convert.source import check_native_layout
 
     try:
+        check_native_layout(src)  # before the converter asks for a config.json
         return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
                                progress=progress, lora=list(lora) or None)
     except convert.ConvertError as e:
@@ -351,18 +353,80 @@ def convert_model(
     """Convert a checkpoint folder to GGUF (see convert_checkpoint) and register the result.
 
     Args:
-        name: short name in the store (default: from the output file name); the other
-            arguments are convert_checkpoint's.
+        name: short name in the store (default: see conversion_name); the other arguments are
+            convert_checkpoint's.
 
     Returns:
         The registered model.
 
     Raises:
         ConversionError: the conversion failed.
-        UsageError: the name is taken (and force is not set).
+        UsageError: the name asked for is taken (and force is not set); raised before any work.
     """
-    result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
-    return add_model(result.path, name=name, replace=force, converted_from=src)
+    planned = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=True)
+    chosen = conversion_name(planned.path, src, planned.plan.outtype, name=name, replace=force)
+    result = convert_checkpoint(src, planned.path, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
+    return add_model(result.path, name=chosen, replace=force and name is not None, converted_from=src)
+
+
+def conversion_name(out: str | os.PathLike[str], src: str | os.PathLike[str], outtype: str,
+                    name: str | None = None, replace: bool = False) -> str:
+    """The store name for a conversion's output, chosen and checked before the conversion runs.
+
+    Args:
+        out: the output file.
+        src: the checkpoint folder (a Hugging Face cache snapshot is named after its repository).
+        outtype: the planned output type (the plan's, e.g. f16 for auto on an F16 checkpoint).
+        name: the name asked for (--name); it must be free unless replace is set.
+        replace: a name asked for may replace another model's registration.
+
+    Returns:
+        name itself; else the name of the output file (`model-f32.gguf` -> `model:f32`), or, where
+        another model holds that, the checkpoint's (`smollm2-135m-instruct:f32`), with -2, -3, ...
+        until it is free.
+
+    Raises:
+        UsageError: the name asked for is invalid, or held by another model and replace is not set.
+    """
+    from localrun.store import name_from_filename, normalize_name
+
+    st = store()
+    if name is not None:
+        wanted = normalize_name(name)
+        if not replace and _held_by_other(st, wanted, out):
+            raise UsageError(f"a model named '{wanted}' is already installed",
+                             "choose another name with --name, or remove it first with 'localrun rm'")
+        return wanted
+    candidate = name_from_filename(out)
+    if not _held_by_other(st, candidate, out):
+        return candidate
+    family, _, tag = name_from_filename(f"{_checkpoint_name(src)}-{outtype}.gguf").partition(":")
+    for i in range(1, 1000):
+        candidate = f"{family}{'' if i == 1 else f'-{i}'}:{tag}"
+        if not _held_by_other(st, candidate, out):
+            return candidate
+    raise UsageError(f"every name like '{family}:{tag}' is taken", "choose a name with --name")
+
+
+def _checkpoint_name(src: str | os.PathLike[str]) -> str:
+    """A checkpoint folder's model name: its own, or its repository's for a Hugging Face snapshot."""
+    folder = Path(os.path.abspath(src))
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.split("--")[-1]
+    return folder.name
+
+
+def _held_by_other(st: Store, name: str, path: str | os.PathLike[str]) -> bool:
+    """Whether the store has a model of this name at another path than `path`."""
+    from localrun.errors import LocalrunError
+
+    if name not in st.names():
+        return False
+    try:
+        held = st.get(name).path
+    except LocalrunError:  # registered, but its file is gone or broken: still taken
+        return True
+    return os.path.realpath(held) != os.path.realpath(path)
 
 
 def doctor() -> dict[str, Any]:

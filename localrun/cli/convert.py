@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--imatrix", metavar="FILE", help="importance matrix for llama.cpp quantization types"
     )
-    p.add_argument("--name", help="name in the model store (default: from the file name)")
+    p.add_argument("--name", help="name in the model store (default: from the file name, or from the "
+                   "model where another model has that name)")
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -127,8 +128,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "mlx" or args.q_bits is not None:
         return _convert_mlx(args)
     lora = [_lora_spec(s) for s in args.lora]
+    output, name = args.output, None
+    if not args.dry_run and not args.no_register:
+        # Plan first: a name another model holds fails now, not after the file is written.
+        planned = api.convert_checkpoint(args.src, output, outtype=args.outtype, imatrix=args.imatrix,
+                                         force=args.force, dry_run=True, lora=lora)
+        output = planned.path
+        name = api.conversion_name(output, args.src, planned.plan.outtype, name=args.name, replace=args.force)
     progress = None if args.dry_run else _convert_module().StderrProgress()
-    res = api.convert_checkpoint(args.src, args.output, outtype=args.outtype, imatrix=args.imatrix,
+    res = api.convert_checkpoint(args.src, output, outtype=args.outtype, imatrix=args.imatrix,
                                  force=args.force, dry_run=args.dry_run, progress=progress, lora=lora)
     if args.dry_run:
         print(res.plan.describe())
@@ -137,8 +145,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {res.path} ({res.path.stat().st_size / 1e9:.2f} GB) in {res.seconds:.1f}s",
         file=sys.stderr,
     )
-    if not args.no_register:
-        _register(res.path, args.name, replace=args.force, converted_from=None if lora else args.src)
+    if name is not None:
+        _register(res.path, name, replace=args.force and args.name is not None,
+                  converted_from=None if lora else args.src)
     print(res.path)
     return 0
 

@@ -100,3 +100,33 @@ def test_dry_run_and_quantize(checkpoints, tmp_path: Path) -> None:  # noqa: ANN
     assert q.stdout.strip() == str(tmp_path / "q4.gguf")
     bad = run("convert", str(tmp_path / "nope"), home=tmp_path / "h")
     assert bad.returncode == 1 and "is not a folder" in bad.stderr
+
+
+def test_same_file_name_in_two_folders(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    """The second conversion is named after the model; a --name another model holds fails first."""
+    folder, _, _ = checkpoints("llama")
+    home = tmp_path / "h"
+    outs = {}
+    for sub in ("a", "b", "c"):
+        (tmp_path / sub).mkdir()
+        outs[sub] = tmp_path / sub / "model-f32.gguf"
+    first = run("convert", str(folder), "-o", str(outs["a"]), "--outtype", "f32", home=home)
+    assert first.returncode == 0, first.stderr
+    assert "registered as model:f32" in first.stderr
+    second = run("convert", str(folder), "-o", str(outs["b"]), "--outtype", "f32", home=home)
+    assert second.returncode == 0, second.stderr
+    family = folder.name.lower()
+    assert f"registered as {family}:f32" in second.stderr
+    listed = {m["name"]: m["path"] for m in json.loads(run("list", "--json", home=home).stdout)}
+    assert listed["model:f32"] == str(outs["a"]) and listed[f"{family}:f32"] == str(outs["b"])
+    # converting the same file again keeps its name
+    again = run("convert", str(folder), "-o", str(outs["b"]), "--outtype", "f32", "--force", home=home)
+    assert again.returncode == 0 and f"registered as {family}:f32" in again.stderr, again.stderr
+    # a name another model holds is an error before anything is written
+    taken = run("convert", str(folder), "-o", str(outs["c"]), "--outtype", "f32", "--name", "model:f32", home=home)
+    assert taken.returncode == 2
+    assert taken.stderr.strip().splitlines() == [
+        "localrun: a model named 'model:f32' is already installed; choose another name with --name, "
+        "or remove it first with 'localrun rm'"
+    ]
+    assert list((tmp_path / "c").iterdir()) == []

