@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localrun.errors import BadModelFileError, HubError
+from localrun.modelfile import Experts
 
 FIRST_READ = 1 << 20  # the header of most GGUFs fits in 1 MiB; vocabularies can take several
 MAX_HEADER = 256 << 20
@@ -47,15 +48,28 @@ class FitEstimate:
     gpu_bytes: int | None = None
     architecture: str | None = None
     details: dict[str, Any] = field(default_factory=dict, compare=False)
+    parameters: int | None = None
+    active_parameters: int | None = None  # a mixture-of-experts model: what one token goes through
+    experts: Experts | None = None
+    cpu_moe_layers: int = 0  # layers whose experts stay in host memory (--cpu-moe)
+    host_bytes: int = 0  # the weights kept in host memory by --cpu-moe, even with the rest on the GPU
+    suggested_cpu_moe: int | str | None = None  # the smallest --cpu-moe that fits the GPU, when one is needed
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
 
     @property
+    def device_bytes(self) -> int:
+        """What the GPU holds when the whole model is offloaded: all but the host-kept experts."""
+        return self.total_bytes - self.host_bytes
+
+    @property
     def verdict_text(self) -> str:
-        return {"gpu": f"fits on the GPU ({self.gpu_name})", "ram": "fits in RAM",
-                "none": "does not fit in this machine's memory"}[self.verdict]
+        gpu = f"fits on the GPU ({self.gpu_name})"
+        if self.host_bytes:
+            gpu += f" with the expert weights of {self.cpu_moe_layers} layers in RAM"
+        return {"gpu": gpu, "ram": "fits in RAM", "none": "does not fit in this machine's memory"}[self.verdict]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -65,6 +79,13 @@ class FitEstimate:
             "total_bytes": self.total_bytes, "context": self.context, "verdict": self.verdict,
             "verdict_text": self.verdict_text, "ram_total": self.ram_total, "ram_available": self.ram_available,
             "gpu_name": self.gpu_name, "gpu_bytes": self.gpu_bytes, "architecture": self.architecture,
+            "parameters": self.parameters, "active_parameters": self.active_parameters,
+            "expert_count": self.experts.count if self.experts else None,
+            "expert_used_count": self.experts.used if self.experts else None,
+            "expert_shared_count": self.experts.shared if self.experts else None,
+            "expert_bytes": self.experts.expert_bytes if self.experts else None,
+            "cpu_moe_layers": self.cpu_moe_layers, "host_bytes": self.host_bytes, "device_bytes": self.device_bytes,
+            "suggested_cpu_moe": self.suggested_cpu_moe,
         }
 
 
@@ -137,8 +158,24 @@ def default_context(shape: Shape, context: int | None) -> int:
     return min(shape.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
 
 
-def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, context: int | None) -> FitEstimate:
-    """Compare the model's needs with this machine's RAM and GPUs."""
+def parameters_from_gguf(meta: Any, weights: int | None = None) -> tuple[int, int | None, Experts | None]:
+    """Parameters, active parameters (mixture-of-experts models) and experts from a GGUF header.
+
+    weights: the bytes of every part when the header is only the first part's of a split file;
+    the counts then grow in proportion."""
+    from localrun.modelfile import experts_of
+
+    experts = experts_of([meta])
+    scale = weights / meta.size if weights and meta.size and weights > meta.size else 1.0
+    total = round(meta.parameters * scale)
+    return total, round(experts.active_parameters * scale) if experts else None, experts
+
+
+def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, context: int | None,
+             parameters: int | None = None, active_parameters: int | None = None,
+             experts: Experts | None = None, cpu_moe: int | str = 0) -> FitEstimate:
+    """Compare the model's needs with this machine's RAM and GPUs; with cpu_moe (--cpu-moe N or
+    'all') the expert weights of those layers count toward host memory, not the GPU's."""
     from localrun.system import gpus, ram_bytes
 
     ctx = default_context(shape, context)
@@ -147,20 +184,29 @@ def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, cont
     overhead = (256 << 20) + weights // 20
     total = weights + kv + overhead
     ram_total, ram_available = ram_bytes()
-    gpu_name, gpu_bytes, verdict = None, None, "none"
+    ram = ram_available or ram_total or 0
+    gpu_name, gpu_bytes = None, None
     for gpu in gpus():
         capacity = gpu.get("free_bytes") or gpu.get("total_bytes")
         if capacity and (gpu_bytes is None or capacity > gpu_bytes):
             gpu_name, gpu_bytes = gpu.get("name"), int(capacity)
-    if gpu_bytes and total <= gpu_bytes * GPU_USABLE:
-        verdict = "gpu"
-    elif (ram_available or ram_total or 0) >= total:
-        verdict = "ram"
+
+    def on_gpu(host: int) -> bool:
+        return bool(gpu_bytes) and total - host <= (gpu_bytes or 0) * GPU_USABLE and host <= ram
+
+    layers = experts.cpu_layers(cpu_moe) if experts else 0
+    host = experts.host_bytes(layers) if experts else 0
+    verdict = "gpu" if on_gpu(host) else "ram" if ram >= total else "none"
+    suggested: int | str | None = None
+    if experts and verdict != "gpu" and gpu_bytes:
+        n = next((n for n in range(layers + 1, experts.layers + 1) if on_gpu(experts.host_bytes(n))), None)
+        suggested = "all" if n == experts.layers else n
     return FitEstimate(
         repo, files, weights, kv, overhead, ctx, verdict, ram_total, ram_available, gpu_name, gpu_bytes,
         shape.architecture,
         {"layers": shape.layers, "kv_heads": shape.kv_heads, "key_dim": shape.key_dim,
          "value_dim": shape.value_dim, "model_context": shape.context_length},
+        parameters, active_parameters, experts, layers, host, suggested,
     )
 
 

@@ -115,6 +115,9 @@ class LoadOptions:
     # LoRA adapters applied when the model loads, as (PEFT adapter folder, scale): the MLX engine's
     # way (llama.cpp applies GGUF adapters per request instead: GenerationParams.lora).
     lora: tuple[tuple[str, float], ...] = ()
+    # Mixture-of-experts models: the expert tensors of the first N layers ("all": every layer) stay
+    # in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe do; 0: placed like the other tensors.
+    cpu_moe: int | str = 0
 
     DEFAULT_CTX = 4096
 
@@ -126,6 +129,9 @@ class LoadOptions:
         _check(self.n_batch >= 1, "--batch-size", self.n_batch, "an integer >= 1")
         _check(self.n_parallel >= 1, "--parallel", self.n_parallel, "an integer >= 1")
         _check(self.max_queue >= 0, "--max-queue", self.max_queue, "an integer >= 0")
+        m = self.cpu_moe
+        _check(m == "all" or (isinstance(m, int) and not isinstance(m, bool) and m >= 0), "--cpu-moe", m,
+               "'all' or a number of layers >= 0")
         object.__setattr__(self, "lora", _adapters(self.lora))
 
     def to_dict(self) -> dict[str, Any]:

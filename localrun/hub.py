@@ -347,6 +347,9 @@ def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
 
     weights = sum(f.size for f in p.files if f.is_weights)
     local = p.model_path
+    parameters: int | None = None
+    active: int | None = None
+    experts: fit.Experts | None = None
     if p.format == "gguf":
         first = p.files[0]
         if local.exists():
@@ -357,6 +360,7 @@ def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
             fit.check_header_size(first.size, first.path)
             meta = fit.read_remote_gguf(first.path, first.size, read_range(p.repo, p.commit, first.path))
         shape = fit.shape_from_gguf(meta)
+        parameters, active, experts = fit.parameters_from_gguf(meta, weights if sum(f.is_weights for f in p.files) > 1 else None)
     else:
         if (local / "config.json").exists():
             raw = (local / "config.json").read_bytes()
@@ -367,7 +371,7 @@ def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
             shape = fit.shape_from_config(json.loads(raw))
         except ValueError as e:
             raise HubError(f"the config.json of '{p.repo}' is not valid JSON: {e}") from e
-    return fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context)
+    return fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context, parameters, active, experts)
 
 
 # -- pull -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,11 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME
 # Arrays whose items are kept (others are skipped and only counted).
 KEPT_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "general.languages", "general.tags"}
+
+# The tensors of a mixture-of-experts layer's experts: llama.cpp's LLM_FFN_EXPS_REGEX, the pattern its
+# --cpu-moe override matches (with std::regex_search, as re.search does here).
+EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)" + EXPERT_TENSORS)
 
 # GGUFValueType -> struct format for scalar types.
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -88,6 +94,72 @@ class GGUFMeta:
             if key not in meta:
                 meta[key] = f"[{n} items]"
         return meta
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's experts, from its GGUF header(s)."""
+
+    count: int  # experts in each MoE layer ({arch}.expert_count)
+    used: int  # experts each token goes through ({arch}.expert_used_count)
+    shared: int  # shared experts every token goes through ({arch}.expert_shared_count; 0: none)
+    layers: int  # the model's layers ({arch}.block_count)
+    parameters: int  # every tensor's elements
+    active_parameters: int  # what one token goes through: `used` of `count` experts, all the rest
+    tensor_bytes: int  # every tensor's bytes (less than the file's weights when parts were not read)
+    layer_bytes: dict[int, int] = field(repr=False)  # the expert tensors' bytes per layer
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.layer_bytes.values())
+
+    def cpu_layers(self, cpu_moe: int | str) -> int:
+        """How many layers' experts --cpu-moe N (or 'all') keeps in host memory."""
+        return self.layers if cpu_moe == "all" else min(int(cpu_moe), self.layers)
+
+    def host_bytes(self, cpu_moe: int | str) -> int:
+        """The expert bytes of the layers --cpu-moe keeps in host memory; a layer whose tensors the
+        header did not list (a later part of a split file) counts as the mean of those it did."""
+        n = self.cpu_layers(cpu_moe)
+        if n <= 0 or not self.layer_bytes:
+            return 0
+        mean = self.expert_bytes // len(self.layer_bytes)
+        return sum(self.layer_bytes.get(i, mean) for i in range(n))
+
+
+def experts_of(metas: list[GGUFMeta]) -> Experts | None:
+    """The experts of a mixture-of-experts model (its GGUF parts, first part first), or None."""
+    first = metas[0]
+
+    def num(key: str) -> int:
+        value = first.arch_value(key)
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    count = num("expert_count")
+    tensors = [t for m in metas for t in m.tensors]
+    layer_bytes: dict[int, int] = {}
+    active = 0
+    used = min(num("expert_used_count") or count, count)
+    for t in tensors:
+        match = _EXPERT_TENSOR.search(t.name)
+        if match and count > 0:
+            layer = int(match.group(1))
+            layer_bytes[layer] = layer_bytes.get(layer, 0) + t.n_bytes
+            active += t.n_elements * used // count
+        else:
+            active += t.n_elements
+    if count <= 0 or not layer_bytes:
+        return None
+    return Experts(count, used, num("expert_shared_count"), num("block_count") or max(layer_bytes) + 1,
+                   sum(t.n_elements for t in tensors), active, sum(t.n_bytes for t in tensors), layer_bytes)
+
+
+def read_experts(path: str | os.PathLike[str]) -> Experts | None:
+    """The experts of the GGUF model at path (every part of a split file), or None if it has none."""
+    from localrun.store import split_parts
+
+    parts = split_parts(Path(path))
+    return experts_of([read_gguf(parts[0])] + [read_gguf(p, whole_model=False) for p in parts[1:]])
 
 
 def _safe(text: str) -> str:

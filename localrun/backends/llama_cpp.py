@@ -36,6 +36,11 @@ from localrun.store import ModelInfo
 _LOG_TAIL: deque[str] = deque(maxlen=40)
 _OFFLOAD_RE = re.compile(r"offloaded (\d+/\d+) layers to GPU")
 _OFFLOADED: list[str | None] = [None]  # 'N/M' from the last model load's log, if it offloaded
+# llama.cpp logs (at debug level) each tensor an override places: "tensor blk.0.ffn_up_exps.weight
+# (0 MiB f32) buffer type overridden to CPU".
+_OVERRIDE_RE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+_OVERRIDDEN: list[tuple[str, str]] = []  # (tensor, buffer type) of the last model load
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
 _LOG_CALLBACK: Any = None  # keep the ctypes callback alive: a collected one segfaults
 
 
@@ -53,6 +58,9 @@ def _install_log_sink(llama_cpp: Any) -> None:
             m = _OFFLOAD_RE.search(line)
             if m:
                 _OFFLOADED[0] = m.group(1)
+            o = _OVERRIDE_RE.search(line)
+            if o:
+                _OVERRIDDEN.append((o.group(1), o.group(2)))
 
     _LOG_CALLBACK = sink
     llama_cpp.llama_log_set(sink, ctypes.c_void_p(0))
@@ -142,16 +150,23 @@ class LlamaCppEngine:
         self.model_info = model
         self.options = options
         mparams = ll.llama_model_default_params()
-        self.gpu_layers = self._gpu_layers(options)
+        self.cpu_moe_layers, host_bytes = 0, 0
+        self._overrides: Any = None  # the override array and its patterns live as long as the model
+        if options.cpu_moe:
+            self._overrides, self.cpu_moe_layers, host_bytes = _cpu_moe_overrides(ll, model, options.cpu_moe)
+            mparams.tensor_buft_overrides = ctypes.addressof(self._overrides[0])
+        self.gpu_layers = self._gpu_layers(options, host_bytes)
         mparams.n_gpu_layers = self.gpu_layers
         _LOG_TAIL.clear()
         _OFFLOADED[0] = None
+        _OVERRIDDEN.clear()
         self.model = ll.llama_model_load_from_file(model.path.encode(), mparams)
         if not self.model:
             reason = last_log_error() or "llama.cpp could not load it"
             raise BadModelFileError(f"cannot load model '{model.name}' ({model.path}): {reason}",
                                     "the file may be corrupt or of an architecture this llama.cpp build does not know")
         self.offloaded = _OFFLOADED[0]
+        self.host_tensors = tuple(name for name, _ in _OVERRIDDEN)
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_train = ll.llama_model_n_ctx_train(self.model)
@@ -255,11 +270,11 @@ class LlamaCppEngine:
             self.ll.llama_free(self.ctx)
             self.ctx = None
 
-    def _gpu_layers(self, options: LoadOptions) -> int:
+    def _gpu_layers(self, options: LoadOptions, host_bytes: int = 0) -> int:
         if not self.ll.llama_supports_gpu_offload():
             return 0
         if options.gpu_layers == "auto":
-            return -1 if _fits_on_gpu(self.model_info) else 0
+            return -1 if _fits_on_gpu(self.model_info, host_bytes) else 0
         return int(options.gpu_layers)
 
     def info(self) -> dict[str, Any]:
@@ -271,6 +286,8 @@ class LlamaCppEngine:
             "n_threads": self.threads,
             "gpu_layers": self.gpu_layers,
             "offloaded": self.offloaded,
+            "cpu_moe_layers": self.cpu_moe_layers,  # layers whose experts --cpu-moe keeps in host memory
+            "host_tensors": list(self.host_tensors),  # the tensors llama.cpp placed there by override
             "n_layers": self.ll.llama_model_n_layer(self.model),
             "n_embd": self.ll.llama_model_n_embd(self.model),
             "n_vocab": self.n_vocab,
@@ -580,11 +597,62 @@ class _Utf8Pieces:
         return self.utf8.decode(b"", final=True)
 
 
-def _fits_on_gpu(model: ModelInfo) -> bool:
-    """Offload everything unless the GPU clearly lacks room (nvidia-smi when present)."""
+def _fits_on_gpu(model: ModelInfo, host_bytes: int = 0) -> bool:
+    """Offload everything unless the GPU clearly lacks room (nvidia-smi when present); host_bytes
+    of the weights stay in host memory (--cpu-moe)."""
     from localrun.system import gpus
 
     cards = gpus()
     if not cards or cards[0].get("free_bytes") is None:
         return True
-    return bool(model.size * 1.2 < cards[0]["free_bytes"])
+    return bool((model.size - host_bytes) * 1.2 < cards[0]["free_bytes"])
+
+
+class _BuftOverride(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` go to `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _cpu_buffer_type(ll: Any) -> int:
+    """ggml's CPU buffer type (host memory), the one llama.cpp's own --cpu-moe override names."""
+    lib = ll.llama_cpp._lib  # libllama: ggml's symbols resolve through the libraries it links
+    try:
+        fn = lib.ggml_backend_cpu_buffer_type
+        fn.argtypes, fn.restype = [], ctypes.c_void_p
+        buft = fn()
+    except AttributeError:  # a build with ggml's CPU backend loaded apart: ask the device registry
+        by_type, dev_buft = lib.ggml_backend_dev_by_type, lib.ggml_backend_dev_buffer_type
+        by_type.argtypes, by_type.restype = [ctypes.c_int], ctypes.c_void_p
+        dev_buft.argtypes, dev_buft.restype = [ctypes.c_void_p], ctypes.c_void_p
+        dev = by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+        buft = dev_buft(dev) if dev else None
+    if not buft:
+        raise EngineError("--cpu-moe: this llama.cpp build has no CPU buffer type", "run without --cpu-moe")
+    return int(buft)
+
+
+def _cpu_moe_overrides(ll: Any, model: ModelInfo, cpu_moe: int | str) -> tuple[Any, int, int]:
+    """The NULL-terminated override array that keeps the experts of the first N layers (or all)
+    in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe build it; with the layers it covers and
+    their expert bytes.
+
+    Raises UsageError for a model without experts.
+    """
+    from localrun.errors import UsageError
+    from localrun.modelfile import EXPERT_TENSORS, read_experts
+
+    experts = read_experts(model.path)
+    if experts is None:
+        raise UsageError(f"--cpu-moe: '{model.name}' is not a mixture-of-experts model (it has no expert tensors)",
+                         "drop --cpu-moe; --gpu-layers N keeps whole layers off the GPU instead")
+    layers = experts.cpu_layers(cpu_moe)
+    if layers >= experts.layers:
+        patterns = [EXPERT_TENSORS.encode()]
+    else:
+        patterns = [f"blk\\.{i}{EXPERT_TENSORS}".encode() for i in range(layers)]
+    buft = _cpu_buffer_type(ll)
+    arr = (_BuftOverride * (len(patterns) + 1))()  # zeroed: the last entry ends the list
+    for entry, pattern in zip(arr, patterns, strict=False):
+        entry.pattern, entry.buft = pattern, buft
+    return (arr, patterns), layers, experts.host_bytes(layers)

@@ -86,6 +86,12 @@ class MLXBackend:
         return mlx_installed()
 
     def load(self, model: ModelInfo, options: LoadOptions) -> MLXEngine:
+        if options.cpu_moe:
+            raise UsageError(
+                f"--cpu-moe works only with the llama.cpp engine, and '{model.name}' runs on MLX"
+                " (MLX keeps every weight in unified memory)",
+                "drop --cpu-moe, or run a GGUF copy of the model on llama.cpp",
+            )
         return MLXEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:

@@ -120,6 +120,7 @@ def _fit_text(est: Any) -> str:
     rows = [
         ("model", f"{est.repo} ({', '.join(est.files[:3])}{', …' if len(est.files) > 3 else ''})"),
         ("architecture", est.architecture or "-"),
+        *_parameter_rows(est),
         ("weights", human_size(est.weights_bytes)),
         ("KV cache", f"{human_size(est.kv_cache_bytes)} at {est.context} tokens of context"),
         ("buffers", human_size(est.overhead_bytes)),
@@ -128,8 +129,28 @@ def _fit_text(est: Any) -> str:
     ]
     if est.gpu_name:
         rows.append(("GPU", f"{est.gpu_name}, {human_size(est.gpu_bytes)}"))
+    if est.host_bytes:
+        rows.append(("placement", f"{human_size(est.device_bytes)} on the GPU, {human_size(est.host_bytes)} of"
+                                  f" expert weights in RAM (--cpu-moe {est.cpu_moe_layers})"))
     rows.append(("verdict", est.verdict_text))
+    if est.suggested_cpu_moe is not None and est.experts:
+        n = est.suggested_cpu_moe
+        rows.append(("hint", f"with --cpu-moe {n} it fits on the GPU ({human_size(est.experts.host_bytes(n))}"
+                             " of expert weights stay in RAM)"))
     return "\n".join(f"{k:<14}{v}" for k, v in rows)
+
+
+def _parameter_rows(est: Any) -> list[tuple[str, str]]:
+    """Parameters (and the active ones of a mixture-of-experts model) and its experts."""
+    if not est.parameters:
+        return []
+    params = human_count(est.parameters)
+    if est.active_parameters is None or est.experts is None:
+        return [("parameters", params)]
+    e = est.experts
+    shared = f", {e.shared} shared" if e.shared else ""
+    return [("parameters", f"{params} ({human_count(est.active_parameters)} active)"),
+            ("experts", f"{e.count} ({e.used} active per token{shared}), {human_size(e.expert_bytes)} of weights")]
 
 
 class _Bars:

@@ -78,13 +78,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.template:
         print(m.details.get("chat_template") or "")
         return 0
+    experts = _experts(m)
     if args.json:
-        print(json.dumps(m.to_dict(with_details=True), indent=2, ensure_ascii=False, default=str))
+        out = m.to_dict(with_details=True)
+        if experts is not None:
+            out["experts"] = {"count": experts.count, "used": experts.used, "shared": experts.shared,
+                              "active_parameters": experts.active_parameters, "expert_bytes": experts.expert_bytes}
+        print(json.dumps(out, indent=2, ensure_ascii=False, default=str))
         return 0
     d = m.details
+    params = f"{human_count(m.parameters)} ({m.parameters})" if m.parameters else None
+    if params and experts is not None:
+        params += f", {human_count(experts.active_parameters)} active ({experts.active_parameters})"
     rows: list[tuple[str, Any]] = [
         ("name", m.name), ("path", m.path), ("format", m.format), ("source", m.source),
-        ("architecture", m.architecture), ("parameters", f"{human_count(m.parameters)} ({m.parameters})" if m.parameters else None),
+        ("architecture", m.architecture), ("parameters", params),
+        ("experts", f"{experts.count} ({experts.used} active per token"
+                    f"{f', {experts.shared} shared' if experts.shared else ''})" if experts else None),
         ("quantization", m.quantization), ("size", human_size(m.size)), ("context length", m.context_length),
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
@@ -114,6 +124,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("\nchat template")
         print("  " + d["chat_template"].replace("\n", "\n  "))
     return 0
+
+
+def _experts(m: Any) -> Any:
+    """The experts of a mixture-of-experts GGUF (its header says {arch}.expert_count), else None."""
+    meta = m.details.get("metadata") or {}
+    if m.format != "gguf" or not meta.get(f"{m.architecture}.expert_count"):
+        return None
+    from localrun.modelfile import read_experts
+
+    return read_experts(m.path)
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -40,6 +40,18 @@ def _gpu_layers(value: str) -> int | str:
     return n
 
 
+def _cpu_moe(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or a number of layers, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 'all' or a number >= 0, got {value!r}")
+    return n
+
+
 def stderr_bar(label: str, extra: str) -> Any:
     """A started rich progress bar on a terminal's stderr (label, bar, done/total, `extra` as a
     text column, time left), or None when stderr is not a terminal (callers print lines then)."""
@@ -147,6 +159,10 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
                    help="layers to offload to the GPU (default auto: all that fit)")
     g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
+    g.add_argument("--cpu-moe", type=_cpu_moe, default=0, metavar="N|all",
+                   help="mixture-of-experts models: keep the expert weights of the first N layers (all: every "
+                        "layer) in CPU memory, so that a model larger than the GPU runs (llama.cpp only; "
+                        "an error on a model without experts)")
     g.add_argument("--engine", choices=("llama.cpp", "mlx"), help="force an engine")
     g.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
                    help="apply a LoRA adapter (a name from 'localrun list', a GGUF adapter file, or a PEFT folder "
@@ -159,7 +175,18 @@ def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any
     from localrun import api
 
     target = api.resolve_target(args.model, getattr(args, "lora", None) or ())
-    return target, api.choose_engine(target.model, engine if engine is not None else getattr(args, "engine", None))
+    chosen = api.choose_engine(target.model, engine if engine is not None else getattr(args, "engine", None))
+    _check_cpu_moe(args, chosen)
+    return target, chosen
+
+
+def _check_cpu_moe(args: argparse.Namespace, engine: str | None) -> None:
+    """--cpu-moe places llama.cpp's tensors; MLX keeps every weight in one unified memory."""
+    from localrun.errors import UsageError
+
+    if getattr(args, "cpu_moe", 0) and engine == "mlx":
+        raise UsageError("--cpu-moe works only with the llama.cpp engine (MLX keeps every weight in unified memory)",
+                         "drop --cpu-moe, or run a GGUF copy of the model on llama.cpp")
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
@@ -175,5 +202,6 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
 def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> LoadOptions:
     """LoadOptions from parsed flags."""
     fa = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attn", "auto")]
+    _check_cpu_moe(args, getattr(args, "engine", None))
     return LoadOptions(n_ctx=args.ctx, n_threads=args.threads, gpu_layers=args.gpu_layers, flash_attn=fa,
-                       n_parallel=n_parallel)
+                       n_parallel=n_parallel, cpu_moe=getattr(args, "cpu_moe", 0))
