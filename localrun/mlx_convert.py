@@ -90,7 +90,7 @@ def convert_to_mlx(
             say(f"exporting {source.name} from GGUF to Hugging Face layout (transformers)")
             hf_folder = export_gguf(Path(source.path), work / "hf")
         say(f"loading {source.name}" + (f"; quantizing to {q_bits} bits, group size {q_group_size}" if q_bits else ""))
-        _run_mlx_lm_convert(hf_folder, work / "mlx", q_bits, q_group_size, cfg)
+        _run_mlx_lm_convert(_mlx_lm_view(hf_folder, work / "src"), work / "mlx", q_bits, q_group_size, cfg)
         say(f"writing {dest}")
         os.replace(work / "mlx", dest)
     finally:
@@ -101,6 +101,34 @@ def convert_to_mlx(
         if in_store:
             shutil.rmtree(dest, ignore_errors=True)
         raise
+
+
+def _mlx_lm_view(src: Path, work: Path) -> Path:
+    """The checkpoint as mlx-lm reads it: transformers 5 writes some config keys where mlx-lm's
+    models do not look (rope_theta inside rope_parameters, which the models would replace by their
+    default; Qwen3-MoE's num_local_experts for num_experts, without which mlx-lm cannot load it).
+    If any is missing, a folder of links to the checkpoint's files with those keys added."""
+    import json
+
+    try:
+        cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return src  # mlx-lm says what is wrong with it
+    extra: dict[str, Any] = {}
+    rope = cfg.get("rope_parameters")
+    if cfg.get("rope_theta") is None and isinstance(rope, dict) and isinstance(rope.get("rope_theta"), int | float):
+        extra["rope_theta"] = float(rope["rope_theta"])
+    for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
+        if cfg.get(a) is None and isinstance(cfg.get(b), int):
+            extra[a] = cfg[b]
+    if not extra:
+        return src
+    work.mkdir(parents=True)
+    for entry in src.iterdir():
+        if entry.name != "config.json":
+            os.symlink(entry.resolve(), work / entry.name)
+    (work / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2) + "\n", encoding="utf-8")
+    return work
 
 
 def _require_mlx_lm() -> None:
@@ -128,9 +156,10 @@ def _run_mlx_lm_convert(src: Path, dst: Path, q_bits: int | None, q_group_size: 
         with _stdout_to_stderr():
             convert(str(src), str(dst), quantize=q_bits is not None, q_bits=q_bits,
                     q_group_size=q_group_size if q_bits is not None else None, dtype=dtype)
-    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+    except (ValueError, FileNotFoundError, KeyError, OSError, TypeError) as e:
         raise ConversionError(f"mlx-lm cannot convert '{src}': {e}",
                               "the checkpoint may be incomplete or of an architecture this mlx-lm does not know") from e
+
 
 
 def export_gguf(gguf: Path, dst: Path) -> Path:
