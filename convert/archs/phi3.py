@@ -1,4 +1,5 @@
-"""Phi-3 / Phi-3.5 / Phi-4-mini: fused QKV and gate-up projections, partial rotary, LongRoPE."""
+"""Phi-3 / Phi-3.5 / Phi-4 / Phi-4-mini: fused QKV and gate-up projections, partial rotary,
+LongRoPE; Phi-4 has no sliding window (null), Phi-4-mini ties its output to the embeddings."""
 
 from __future__ import annotations
 

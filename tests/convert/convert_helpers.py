@@ -169,6 +169,54 @@ def _config(arch: str, vocab: int, bos: int | None, eos: int | None, peaked: boo
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             },
         )
+    if arch == "phi4":
+        # Phi-4-mini's shape: grouped-query heads, partial rotary with LongRoPE factors, no sliding
+        # window, tied embeddings (the short factors apply: the context stays within the original)
+        rot = int(64 * 0.75) // 4 // 2
+        return tf.Phi3Config(
+            **common,
+            tie_word_embeddings=True,
+            sliding_window=None,
+            original_max_position_embeddings=512,
+            partial_rotary_factor=0.75,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 250000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 512,
+                "short_factor": [1.0 + 0.4 * i for i in range(rot)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rot)],
+            },
+            pad_token_id=None,
+        )
+    if arch == "smollm3":
+        # four layers: llama.cpp leaves rope out of every fourth one (the last here)
+        return tf.SmolLM3Config(
+            **{**common, "num_hidden_layers": 4},
+            no_rope_layer_interval=4,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+            pad_token_id=None,
+        )
+    if arch == "granite":
+        # multipliers far from 1 (and the attention scale far from 1/sqrt(head_dim) = 0.25); in
+        # the peaked model a x12 embedding against x0.22 blocks would leave the layers no say
+        return tf.GraniteConfig(
+            **common,
+            tie_word_embeddings=False,
+            embedding_multiplier=0.5 if peaked else 12.0,
+            residual_multiplier=0.55 if peaked else 0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "olmo2":
+        return tf.Olmo2Config(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            pad_token_id=None,
+        )
     raise ValueError(arch)
 
 
@@ -180,6 +228,10 @@ TOKENIZER_OF = {
     "gemma3": "llama2-spm",
     "qwen2": "qwen3",
     "qwen3": "qwen3",
+    "phi4": "qwen3",  # Phi-4's vocabulary is byte-level BPE (GPT2Tokenizer)
+    "smollm3": "llama2-spm",
+    "granite": "llama2-spm",
+    "olmo2": "qwen3",  # OLMo 2's vocabulary is byte-level BPE
 }
 ARCHS = list(TOKENIZER_OF)
 
@@ -193,19 +245,25 @@ def make_checkpoint(
     shard_size: str | None = None,
     seed: int = 0,
     peaked: bool = False,
+    config: dict | None = None,
 ):  # noqa: ANN201
-    """A random-weight checkpoint in Hugging Face layout with a real tokenizer; returns the model."""
+    """A random-weight checkpoint in Hugging Face layout with a real tokenizer; returns the model.
+
+    config: keys that differ from the family's tiny config (another variant of the family).
+    """
     import torch
     import transformers as tf
 
     tok = _tokenizer(TOKENIZER_OF[arch])
-    config = _config(arch, len(tok), tok.bos_token_id, tok.eos_token_id)
-    config._attn_implementation = "eager"
+    cfg = _config(arch, len(tok), tok.bos_token_id, tok.eos_token_id, peaked)
+    if config:
+        cfg = type(cfg)(**{**cfg.to_dict(), **config})
+    cfg._attn_implementation = "eager"
     if peaked:
-        config.tie_word_embeddings = True
+        cfg.tie_word_embeddings = True
     cls = tf.Gemma3ForCausalLM if arch == "gemma3" else tf.AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = cls.from_config(config) if cls is tf.AutoModelForCausalLM else cls(config)
+    model = cls.from_config(cfg) if cls is tf.AutoModelForCausalLM else cls(cfg)
     if peaked:
         model.tie_weights()
     randomize(model, norm_center=0.0 if arch.startswith("gemma") else 1.0, seed=seed, peaked=peaked)
