@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,11 +84,27 @@ def _human(n: float) -> str:
 
 
 def specs(ckpt: Checkpoint) -> list[TensorSpec]:
-    """Every output tensor, in source order, with the generated ones last."""
+    """Every output tensor, in source order, with the generated ones last.
+
+    A tensor made from several sources (stacked experts) comes where its first source is.
+    """
+    joined: dict[str, list[TensorSpec]] = {}
+    consumed: set[str] = set()
+    for spec in ckpt.arch.joined_specs({name: t.shape for name, t in ckpt.tensors.items()}):
+        _check_pieces(ckpt, spec)
+        joined.setdefault(spec.sources[0], []).append(spec)
+        consumed.update(spec.sources)
     out: list[TensorSpec] = []
     seen: set[str] = set()
     for name, t in ckpt.tensors.items():
-        for spec in ckpt.arch.specs(name, t.shape):
+        made = joined.pop(name, [])
+        if name not in consumed:
+            own = ckpt.arch.specs(name, t.shape)
+            for spec in own:
+                if spec.pieces:
+                    _check_pieces(ckpt, spec)
+            made += own
+        for spec in made:
             if spec.name in seen:
                 raise ConvertError(f"two source tensors map to {spec.name!r}", f"check {name!r}")
             seen.add(spec.name)
@@ -96,6 +113,25 @@ def specs(ckpt: Checkpoint) -> list[TensorSpec]:
     if not any(s.name == "token_embd.weight" for s in out):
         raise ConvertError("the checkpoint has no token embeddings", "the weights look incomplete")
     return out
+
+
+def _check_pieces(ckpt: Checkpoint, spec: TensorSpec) -> None:
+    """A tensor made of pieces: each one exists, and together they fill the tensor exactly."""
+    cols = spec.shape[-1] if spec.shape else 1
+    rows = 0
+    for p in spec.pieces:
+        src = ckpt.tensors.get(p.source)
+        if src is None:
+            raise ConvertError(f"{spec.name} needs {p.source!r}, which the checkpoint lacks")
+        stop = src.matrix_rows if p.stop is None else p.stop
+        src_cols = src.shape[-1] if src.shape else 1
+        if src_cols != cols or not 0 <= p.start < stop <= src.matrix_rows:
+            raise ConvertError(
+                f"{spec.name}: rows {p.start}..{stop} of {p.source!r} {list(src.shape)} do not fit"
+            )
+        rows += stop - p.start
+    if rows * cols != int(math.prod(spec.shape)):
+        raise ConvertError(f"{spec.name}: its pieces hold {rows} rows, not {list(spec.shape)}")
 
 
 def build_plan(
@@ -125,7 +161,7 @@ def build_plan(
     planned: list[PlannedTensor] = []
     all_specs = specs(ckpt)
     for s in all_specs:
-        qtype = outtypes.tensor_type(s.name, s.shape, wtype)
+        qtype = s.qtype if s.qtype is not None else outtypes.tensor_type(s.name, s.shape, wtype)
         src_dtype = ckpt.tensors[s.source].dtype if s.source else "F32"
         planned.append(
             PlannedTensor(

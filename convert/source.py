@@ -53,6 +53,24 @@ class SourceTensor:
         stop = self.rows if stop is None else stop
         return self.reader.read_rows(start, stop)
 
+    @property
+    def matrix_rows(self) -> int:
+        """Rows of the tensor seen as a matrix: every dimension but the last flattened."""
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if self.shape else 1
+
+    def read_matrix(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the matrix view (2D), read without the rest of the tensor."""
+        direct = getattr(self.reader, "read_matrix_rows", None)
+        if direct is not None:
+            return direct(start, stop)
+        if len(self.shape) < 2:
+            return self.read().reshape(1, -1)[start:stop]
+        # Any other reader: the first-dimension rows that hold the range (e.g. one expert).
+        per = int(np.prod(self.shape[1:-1], dtype=np.int64))
+        first, last = start // per, -(-stop // per)
+        block = self.read(first, last).reshape(-1, self.shape[-1])
+        return block[start - first * per : stop - first * per]
+
 
 class _FileRange:
     """A tensor stored contiguously in a file: rows are read with pread, never all mapped."""
@@ -81,6 +99,14 @@ class _FileRange:
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         return out.reshape(shape)
 
+    def read_matrix_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows of the tensor seen as a matrix (every dimension but the last flattened)."""
+        cols = self.shape[-1] if self.shape else 1
+        n = int(np.prod(self.shape, dtype=np.int64))
+        return _FileRange(self.path, self.offset, (n // cols, cols), self.dtype).read_rows(
+            start, stop
+        )
+
 
 class _TorchTensor:
     """A tensor held by torch (a pickled .bin loaded with mmap, or an in-memory module)."""
@@ -89,10 +115,18 @@ class _TorchTensor:
         self.tensor = tensor
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
+        t = self.tensor.detach()
+        return self._numpy(t[start:stop] if t.dim() > 0 else t)
+
+    def read_matrix_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows of the tensor seen as a matrix (every dimension but the last flattened)."""
+        t = self.tensor.detach()
+        return self._numpy(t.reshape(-1, t.shape[-1] if t.dim() else 1)[start:stop])
+
+    @staticmethod
+    def _numpy(t: Any) -> np.ndarray:
         import torch
 
-        t = self.tensor.detach()
-        t = t[start:stop] if t.dim() > 0 else t
         t = t.to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16)

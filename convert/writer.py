@@ -17,6 +17,7 @@ import numpy as np
 
 from convert import outtypes
 from convert.archs import TensorSpec
+from convert.archs.base import Piece
 from convert.checkpoint import Checkpoint
 from convert.errors import ConvertError
 from convert.plan import Plan, PlannedTensor
@@ -76,7 +77,13 @@ def remove_stale_temps(out: Path) -> int:
                 continue
             pid, _, tag = entry.name[len(prefix) :].partition(".")
             # A live process may be writing it, and this one may hold it in a finally block.
-            if not pid.isdigit() or not tag or "." in tag or int(pid) == os.getpid() or _alive(int(pid)):
+            if (
+                not pid.isdigit()
+                or not tag
+                or "." in tag
+                or int(pid) == os.getpid()
+                or _alive(int(pid))
+            ):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 size = entry.stat(follow_symlinks=False).st_size
@@ -85,7 +92,10 @@ def remove_stale_temps(out: Path) -> int:
     if count:
         log.warning(
             "removed %d temporary file%s of %s left by an interrupted run (%.1f MB)",
-            count, "" if count == 1 else "s", out, freed / 1e6,
+            count,
+            "" if count == 1 else "s",
+            out,
+            freed / 1e6,
         )
     return freed
 
@@ -112,6 +122,10 @@ def _work_items(
         data = spec.data
         yield lambda: outtypes.encode(data, "F32", qtype)
         return
+    if spec.pieces:
+        for piece in spec.pieces:
+            yield from _piece_items(ckpt, piece, qtype)
+        return
     src = ckpt.tensors[spec.source]
     fn = spec.fn
     if fn is not None and spec.whole:
@@ -130,6 +144,29 @@ def _work_items(
 
         def block(a: int = start, b: int = stop) -> np.ndarray:
             rows = src.read(a, b)
+            if fn is None:
+                return outtypes.encode(rows, src.dtype, qtype)
+            return outtypes.encode(
+                fn(outtypes.to_f32(rows, src.dtype)), src.dtype, qtype, converted=True
+            )
+
+        yield block
+
+
+def _piece_items(
+    ckpt: Checkpoint, piece: Piece, qtype: gguf.GGMLQuantizationType
+) -> Iterator[Callable[[], np.ndarray]]:
+    """Closures that each produce the next bytes of one piece, a block of matrix rows each."""
+    src = ckpt.tensors[piece.source]
+    stop_row = src.matrix_rows if piece.stop is None else piece.stop
+    fn = piece.fn
+    row_bytes = max(src.nbytes // max(src.matrix_rows, 1), 1)
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for start in range(piece.start, stop_row, step):
+        stop = min(start + step, stop_row)
+
+        def block(a: int = start, b: int = stop) -> np.ndarray:
+            rows = src.read_matrix(a, b)
             if fn is None:
                 return outtypes.encode(rows, src.dtype, qtype)
             return outtypes.encode(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,10 +16,27 @@ from convert.errors import ConvertError
 # Tensors that hold no weights llama.cpp uses.
 SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
+# Kept in F32 whatever the output type, as llama.cpp's converter and quantizer do (routers).
+F32_TENSORS = frozenset(
+    gguf.TENSOR_NAMES[t].rsplit(".", 1)[-1]
+    for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of a source tensor seen as a matrix (every dimension but the last
+    flattened): one part of a GGUF tensor that is written piece after piece."""
+
+    source: str
+    start: int = 0
+    stop: int | None = None  # None: to the last row
+    fn: Callable[[np.ndarray], np.ndarray] | None = None  # row-wise, on float32 rows
+
 
 @dataclass
 class TensorSpec:
-    """How one GGUF tensor is made from one source tensor."""
+    """How one GGUF tensor is made from one source tensor (or from several pieces)."""
 
     name: str  # GGUF name
     source: str  # source (Hugging Face) tensor name; "" for a generated tensor
@@ -27,6 +45,17 @@ class TensorSpec:
     fn: Callable[[np.ndarray], np.ndarray] | None = None
     whole: bool = False  # fn needs the whole tensor at once (e.g. a row permutation)
     data: np.ndarray | None = None  # a generated tensor's values (float32)
+    # Set: the tensor is these pieces one after another (a layer's experts stacked), streamed
+    # block by block; `source` names the first piece's tensor and fn/whole do not apply.
+    pieces: tuple[Piece, ...] = ()
+    qtype: gguf.GGMLQuantizationType | None = None  # a fixed type, whatever the output type
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every source tensor this one reads, in order, once each."""
+        if self.pieces:
+            return tuple(dict.fromkeys(p.source for p in self.pieces))
+        return (self.source,) if self.source else ()
 
 
 def permute_rows(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -151,7 +180,13 @@ class Arch:
         """The GGUF tensor(s) made from one source tensor (none to drop it)."""
         if self.skip(name):
             return []
-        return [TensorSpec(self.gguf_name(name), name, shape, fn=self.transform(name))]
+        new = self.gguf_name(name)
+        return [TensorSpec(new, name, shape, fn=self.transform(name), qtype=fixed_type(new))]
+
+    def joined_specs(self, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
+        """GGUF tensors made from several source tensors (a layer's experts stacked); the
+        sources they read get no tensor of their own."""
+        return []
 
     def transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
         return None
@@ -168,6 +203,12 @@ class Arch:
     def add_space_prefix(self) -> bool | None:
         """Override of the SentencePiece space prefix (None: from the tokenizer)."""
         return None
+
+
+def fixed_type(gguf_name: str) -> gguf.GGMLQuantizationType | None:
+    """F32 for the tensors llama.cpp never converts to the output type (routers), else None."""
+    parts = gguf_name.split(".")
+    return gguf.GGMLQuantizationType.F32 if len(parts) > 1 and parts[-2] in F32_TENSORS else None
 
 
 def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -190,3 +231,135 @@ def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
             smooth = (old_ctx / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+
+_T = gguf.MODEL_TENSOR
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# model.layers.N.<block>.experts.E.<projection>.weight: one projection of one expert.
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(?P<bid>\d+)\.\w+\.experts\.(?P<xid>\d+)\.(?P<proj>\w+)\.weight$"
+)
+
+
+class MoeArch(Arch):
+    """A mixture-of-experts family: each layer's experts become llama.cpp's stacked tensors
+    [n_expert, rows, cols], written piece by piece (never a whole layer in memory)."""
+
+    # Projection names of per-expert tensors (model.layers.N.<block>.experts.E.<name>.weight).
+    expert_projs: ClassVar[Mapping[str, gguf.MODEL_TENSOR]] = {
+        "gate_proj": _T.FFN_GATE_EXP,
+        "up_proj": _T.FFN_UP_EXP,
+        "down_proj": _T.FFN_DOWN_EXP,
+    }
+    # Name endings of 3D expert tensors: [n_expert, 2 * n_ff, n_embd] with the gate rows before
+    # the up rows (transformers 5's in-memory layout), and [n_expert, n_embd, n_ff] down weights.
+    fused_gate_up: ClassVar[tuple[str, ...]] = (
+        ".experts.gate_up_proj",
+        ".experts.gate_up_proj.weight",
+    )
+    fused_down: ClassVar[tuple[str, ...]] = (".experts.down_proj", ".experts.down_proj.weight")
+    # Whether llama.cpp's graph renormalizes the top-k routing weights; None: the family's
+    # config has no norm_topk_prob choice.
+    topk_renorm: ClassVar[bool | None] = None
+    # llama.cpp's graph reads output.weight even when the embeddings are tied: write them twice.
+    output_required: ClassVar[bool] = False
+
+    def expert_count(self) -> int:
+        return int(self.need("num_local_experts", "num_experts"))
+
+    def check_experts(self) -> None:
+        """Refuse configs that llama.cpp's graph for this family would compute differently."""
+        renorm = self.config.get("norm_topk_prob")
+        if self.topk_renorm is not None and renorm is not None and bool(renorm) != self.topk_renorm:
+            how = "always" if self.topk_renorm else "never"
+            raise ConvertError(
+                f"llama.cpp's {self.name} {how} renormalizes the top-k routing weights, "
+                f"but config.json sets norm_topk_prob to {renorm}",
+                "llama.cpp cannot run this variant as it was trained",
+            )
+        if self.get("mlp_only_layers") or int(self.get("decoder_sparse_step", 1)) != 1:
+            raise ConvertError(
+                "the checkpoint mixes dense and expert layers (mlp_only_layers, decoder_sparse_step)",
+                f"llama.cpp's {self.name} needs experts in every layer",
+            )
+
+    def write_hparams(self, w: gguf.GGUFWriter) -> None:
+        super().write_hparams(w)
+        w.add_expert_count(self.expert_count())
+        w.add_expert_used_count(int(self.need("num_experts_per_tok")))
+        if (n_ff := self.get("moe_intermediate_size")) is not None:
+            w.add_expert_feed_forward_length(int(n_ff))
+
+    def _bid(self, name: str) -> int:
+        m = _LAYER.match(name)
+        if m is None:
+            raise ConvertError(f"expert tensor {name!r} belongs to no layer")
+        return int(m[1])
+
+    def _experts_shape(self, name: str, shape: tuple[int, ...], what: str) -> None:
+        n = self.expert_count()
+        if len(shape) != 3 or shape[0] != n:
+            raise ConvertError(
+                f"tensor {name!r} has shape {list(shape)}, expected [{n}, {what}]",
+                "the checkpoint does not match its config.json",
+            )
+
+    def specs(self, name: str, shape: tuple[int, ...]) -> list[TensorSpec]:
+        m = _PER_EXPERT.match(name)
+        if m and m["proj"] in self.expert_projs:
+            return []  # stacked with the layer's other experts by joined_specs
+        if self.skip(name):
+            return []
+        tied = self.output_required and bool(self.get("tie_word_embeddings", False))
+        if tied and name == "lm_head.weight":
+            return []  # the same values as the embeddings, written from them below
+        if tied and name == "model.embed_tokens.weight":
+            out = super().specs(name, shape)
+            return [*out, TensorSpec(self.tensor_name(_T.OUTPUT), name, shape)]
+        if name.endswith(self.fused_gate_up):
+            self._experts_shape(name, shape, "2 * n_ff, n_embd")
+            if shape[1] % 2:
+                raise ConvertError(f"tensor {name!r} has an odd number of gate/up rows")
+            n, rows, ff = shape[0], shape[1], shape[1] // 2
+            out = []
+            for key, offset in ((_T.FFN_GATE_EXP, 0), (_T.FFN_UP_EXP, ff)):
+                pieces = tuple(
+                    Piece(name, e * rows + offset, e * rows + offset + ff) for e in range(n)
+                )
+                gguf_name = self.tensor_name(key, self._bid(name))
+                out.append(TensorSpec(gguf_name, name, (n, ff, shape[2]), pieces=pieces))
+            return out
+        if name.endswith(self.fused_down):
+            self._experts_shape(name, shape, "n_embd, n_ff")
+            gguf_name = self.tensor_name(_T.FFN_DOWN_EXP, self._bid(name))
+            return [TensorSpec(gguf_name, name, shape, pieces=(Piece(name),))]
+        return super().specs(name, shape)
+
+    def joined_specs(self, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
+        self.check_experts()
+        groups: dict[tuple[int, str], dict[int, str]] = {}
+        for name in shapes:
+            m = _PER_EXPERT.match(name)
+            if m and m["proj"] in self.expert_projs:
+                groups.setdefault((int(m["bid"]), m["proj"]), {})[int(m["xid"])] = name
+        n = self.expert_count()
+        out = []
+        for (bid, proj), by_expert in groups.items():
+            if sorted(by_expert) != list(range(n)):
+                missing = sorted(set(range(n)) - set(by_expert))
+                raise ConvertError(
+                    f"layer {bid} has {len(by_expert)} experts' {proj} weights, config.json "
+                    f"says {n}"
+                    + (f" (missing: {', '.join(map(str, missing))})" if missing else ""),
+                    "the checkpoint looks incomplete or does not match its config.json",
+                )
+            names = [by_expert[x] for x in range(n)]
+            shape = shapes[names[0]]
+            if len(shape) != 2 or any(shapes[x] != shape for x in names):
+                raise ConvertError(f"the experts' {proj} weights of layer {bid} differ in shape")
+            gguf_name = self.tensor_name(self.expert_projs[proj], bid)
+            pieces = tuple(Piece(x) for x in names)
+            out.append(TensorSpec(gguf_name, names[0], (n, *shape), pieces=pieces))
+        return out

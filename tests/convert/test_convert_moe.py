@@ -1,0 +1,347 @@
+"""Mixture-of-experts conversion: each layer's experts stacked into llama.cpp's merged tensors.
+
+Every family computes what transformers computes (with routing that varies across positions, so
+a wrong expert order or router would show), writes what llama.cpp's own converter writes, and a
+conversion holds at most about one layer's experts in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from convert_helpers import LOGIT_TEXT, _tokenizer, llama_probe, need_asset, randomize
+from gguf import GGUFReader
+
+import convert
+from convert import converter, writer
+from convert.errors import ConvertError
+
+N_EXPERT, N_USED = 8, 2
+TOKENIZER_OF = {
+    "mixtral": "llama2-spm",
+    "qwen2moe": "qwen3",
+    "qwen3moe": "qwen3",
+    "olmoe": "qwen3",  # llama.cpp's converter reads OLMoE's tokenizer as BPE only
+    "granitemoe": "llama2-spm",
+    "granitemoeshared": "llama2-spm",
+}
+FAMILIES = list(TOKENIZER_OF)
+# Peaked models (see randomize()): how much to scale the layers' output projections so that the
+# layers decide some predictions against the dominant tied embeddings.
+GAIN = {
+    "mixtral": 1.5,
+    "qwen2moe": 1.5,
+    "qwen3moe": 1.25,
+    "olmoe": 1.5,
+    "granitemoe": 10.0,
+    "granitemoeshared": 10.0,
+}
+
+
+def _config(family: str, tok, peaked: bool):  # noqa: ANN001, ANN202
+    import transformers as tf
+
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=peaked,
+        num_experts_per_tok=N_USED,
+    )
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=N_EXPERT)
+    if family == "qwen2moe":
+        return tf.Qwen2MoeConfig(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=N_EXPERT,
+            norm_topk_prob=False,
+        )
+    if family == "qwen3moe":
+        return tf.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=N_EXPERT,
+            norm_topk_prob=True,
+        )
+    if family == "olmoe":  # llama.cpp's olmoe normalizes K over all heads: no grouped KV heads
+        common["num_key_value_heads"] = common["num_attention_heads"]
+        return tf.OlmoeConfig(**common, intermediate_size=32, num_experts=N_EXPERT)
+    if family.startswith("granitemoe"):
+        granite = dict(
+            intermediate_size=32,
+            num_local_experts=N_EXPERT,
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        )
+        if family == "granitemoeshared":
+            return tf.GraniteMoeSharedConfig(**common, **granite, shared_intermediate_size=48)
+        return tf.GraniteMoeConfig(**common, **granite)
+    raise ValueError(family)
+
+
+def build(folder: Path, family: str, *, peaked: bool = False):  # noqa: ANN201
+    """A random-weight MoE checkpoint in Hugging Face layout with a real tokenizer."""
+    import torch
+    import transformers as tf
+
+    tok = _tokenizer(TOKENIZER_OF[family])
+    config = _config(family, tok, peaked)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    if peaked:
+        model.tie_weights()
+    randomize(model, seed=0, peaked=peaked)
+    if peaked:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj", "w2.weight", "output_linear")):
+                    p.mul_(GAIN[family])
+    model.eval()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Each family's tiny checkpoint, built once per module."""
+    cache: dict[tuple[str, bool], tuple] = {}
+
+    def get(family: str, peaked: bool = False):  # noqa: ANN202
+        if (family, peaked) not in cache:
+            folder = tmp_path_factory.mktemp(f"moe-{family}")
+            model, tok = build(folder, family, peaked=peaked)
+            cache[family, peaked] = (folder, model, tok)
+        return cache[family, peaked]
+
+    return get
+
+
+def _ids(tok) -> list[int]:  # noqa: ANN001
+    ids = tok.encode(LOGIT_TEXT, add_special_tokens=False)
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+
+
+def _logits_and_routes(model, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:  # noqa: ANN001
+    """transformers' float32 logits and, per layer, the experts each position routes to."""
+    import torch
+
+    with torch.no_grad():
+        out = model.float()(torch.tensor([ids]), output_router_logits=True)
+    routes = [
+        r.float().topk(N_USED, dim=-1).indices.sort(-1).values.numpy() for r in out.router_logits
+    ]
+    return out.logits[0].float().numpy(), routes
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    import torch
+
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_logits_and_greedy_match_transformers(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, model, tok = moe(family)
+    ids = _ids(tok)
+    ref, routes = _logits_and_routes(model, ids)
+    for layer in routes:
+        # Routing varies: a wrong expert order or router would change many positions' outputs.
+        _, counts = np.unique(layer, axis=0, return_counts=True)
+        assert counts.max() <= len(ids) * 2 / 3, "most positions route to the same experts"
+        assert len(set(layer.ravel().tolist())) >= N_EXPERT - 2, "most experts are never used"
+    res = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny")
+    out, plan = res.path, res.plan
+    prompt = ids[:12]
+    want = _greedy(model, prompt, 24)
+    got = llama_probe(out, logits=[ids], generate={"ids": prompt, "n": 24})
+    logits = got["logits0"]
+    assert logits.shape == ref.shape
+    assert (logits.argmax(-1) == ref.argmax(-1)).all()
+    span = float(ref.max() - ref.min())
+    assert float(np.abs(logits - ref).max()) < 1e-3 * span
+    assert list(got["generated"]) == want
+    assert len(set(want)) > 3  # a continuation, not one repeated token
+    # The plan (what --dry-run shows) has the stacked tensors, and the file holds what it planned.
+    shapes = {t.name: t.shape for t in plan.tensors}
+    n_ff = int(
+        model.config.to_dict().get("moe_intermediate_size") or model.config.intermediate_size
+    )
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (N_EXPERT, n_ff, 64)
+    assert shapes["blk.1.ffn_up_exps.weight"] == (N_EXPERT, n_ff, 64)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (N_EXPERT, 64, n_ff)
+    assert plan.gguf_bytes < out.stat().st_size < plan.gguf_bytes + (16 << 20)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f16_top1_agrees(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
+    folder, model, tok = moe(family, peaked=True)
+    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", name="tiny").path
+    ids = _ids(tok)
+    ref, _ = _logits_and_routes(model, ids)
+    top1 = ref.argmax(-1)
+    assert (top1 != np.asarray(ids)).mean() >= 0.03, "the layers must decide some predictions"
+    got = llama_probe(out, logits=[ids])["logits0"]
+    assert (got.argmax(-1) == top1).mean() >= 0.99
+
+
+def _tensors(r: GGUFReader) -> dict[str, tuple]:
+    return {
+        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
+        for t in r.tensors
+    }
+
+
+# Qwen3-MoE and OLMoE name their in-memory experts as Qwen2-MoE does.
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "granitemoe"])
+def test_from_module_matches_folder_conversion(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
+    # In memory, transformers 5 fuses each layer's experts into 3D tensors (gate_up_proj,
+    # down_proj); on disk it saves them per expert (or, for Granite, as input/output_linear).
+    folder, model, tok = moe(family)
+    assert any("experts.gate_up_proj" in k for k in model.state_dict())
+    a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
+    b = convert.convert(folder, tmp_path / "disk.gguf", outtype="f16", name="m").path
+    assert _tensors(GGUFReader(a)) == _tensors(GGUFReader(b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_file_as_llama_cpp_converter(
+    family: str, moe, llama_cpp_converter: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    src, _, _ = moe(family)
+    folder = tmp_path / family
+    shutil.copytree(src, folder)
+    if TOKENIZER_OF[family] == "llama2-spm":
+        # the Llama 2 SentencePiece model, which both converters read first
+        (folder / "tokenizer.json").unlink()
+        shutil.copy(
+            need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model"
+        )
+    ref_path = tmp_path / "ref.gguf"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(llama_cpp_converter / "convert_hf_to_gguf.py"),
+            str(folder),
+            "--outtype",
+            "f16",
+            "--outfile",
+            str(ref_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path
+    ref, ours = GGUFReader(ref_path), GGUFReader(ours_path)
+    assert _tensors(ours) == _tensors(ref)  # names, types, shapes and bytes
+
+    # The model's metadata (the vocabulary's is the tokenizer tests' business).
+    def model_keys(r: GGUFReader) -> dict[str, object]:
+        skip = ("GGUF.", "tokenizer.", "general.name")
+        return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
+
+    assert model_keys(ours) == model_keys(ref)
+
+
+def test_peak_memory_is_about_one_layer_of_experts(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    import torch
+    import transformers as tf
+
+    tok = _tokenizer("llama2-spm")
+    hidden, n_ff, layers = 256, 512, 6
+    config = tf.MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=n_ff,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        num_local_experts=N_EXPERT,
+        num_experts_per_tok=N_USED,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path / "big"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    layer_experts = N_EXPERT * 3 * n_ff * hidden * 4  # F32 bytes of one layer's experts
+    total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert total > 4 * layer_experts  # holding the model (or most of it) would show
+    # Work items smaller than the default 8 MB, so that the bound says something at this size.
+    monkeypatch.setattr(writer, "BLOCK_BYTES", 1 << 20)
+    threads = 2
+    write = converter.write_model
+    seen: dict[str, int] = {}
+
+    def measured(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        # The writing only: the tokenizer, read before, is not the experts' business.
+        seen["start"] = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        write(*args, **kwargs)
+        seen["peak"] = tracemalloc.get_traced_memory()[1]
+
+    monkeypatch.setattr(converter, "write_model", measured)
+    tracemalloc.start()
+    try:
+        out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", threads=threads).path
+    finally:
+        tracemalloc.stop()
+    assert out.stat().st_size > total / 2 * 0.9
+    grown = seen["peak"] - seen["start"]
+    in_flight = 4 * threads * writer.BLOCK_BYTES  # the writer's queue of blocks, with copies
+    assert grown < layer_experts + in_flight, f"writing took {grown / 1e6:.1f} MB"
+
+
+def test_config_that_llama_cpp_would_compute_differently_is_refused(moe, tmp_path: Path) -> None:  # noqa: ANN001
+    src, _, _ = moe("qwen3moe")
+    folder = tmp_path / "q"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_topk_prob"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match="norm_topk_prob"):
+        convert.convert(folder, dry_run=True)
+
+
+def test_missing_expert_is_named(moe, tmp_path: Path) -> None:  # noqa: ANN001
+    from safetensors.torch import load_file, save_file
+
+    src, _, _ = moe("mixtral")
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConvertError, match=r"layer 1 .*w3.*missing: 5"):
+        convert.convert(folder, dry_run=True)
