@@ -8,9 +8,17 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, llama_probe, make_checkpoint, reference_logits
+from convert_helpers import make_checkpoint, randomize, reference_logits
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from test_convert_fidelity import (
+    AGREEMENT,
+    LAYER_SHARE,
+    break_last_layer,
+    logit_ids,
+    make_layered,
+    top1_agreement,
+)
 
 import convert
 from convert.errors import ConvertError
@@ -19,7 +27,7 @@ from convert.imatrix import load_imatrix
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """K-quants need rows of 256: a Llama with hidden 256."""
+    """K-quants need rows of 256: a Llama with hidden 256 whose layers decide half the top-1s."""
     import transformers as tf
 
     folder = tmp_path_factory.mktemp("wide")
@@ -28,12 +36,24 @@ def wide(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
     cfg.num_attention_heads, cfg.num_key_value_heads = 4, 2
     big = tf.LlamaForCausalLM(cfg)
-    from convert_helpers import randomize
-
     big.tie_weights()
     randomize(big, peaked=True)
+    big.eval()
+    share = make_layered(big, logit_ids(tok))
+    assert share >= LAYER_SHARE, "the layers must decide a good share of the predictions"
     big.save_pretrained(folder)
     return folder, big, tok
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(wide, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """The wide model in Q4_K_M, made once: the result, its progress events, ids and reference top-1."""
+    folder, model, tok = wide
+    out = tmp_path_factory.mktemp("q4_k_m")
+    events: list[convert.Progress] = []
+    res = convert.convert(folder, out / "m.gguf", outtype="q4_k_m", progress=events.append)
+    ids = logit_ids(tok)
+    return res, events, ids, reference_logits(model, ids).argmax(-1)
 
 
 def _types(path: Path) -> dict[str, Q]:
@@ -44,11 +64,9 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def test_q4_k_m_end_to_end(wide, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, model, tok = wide
-    events: list[convert.Progress] = []
-    res = convert.convert(folder, tmp_path / "m.gguf", outtype="q4_k_m", progress=events.append)
-    assert _leftovers(tmp_path) == ["m.gguf"]  # the F16 intermediate is gone
+def test_q4_k_m_end_to_end(q4_k_m) -> None:  # noqa: ANN001
+    res, events, ids, top1 = q4_k_m
+    assert _leftovers(res.path.parent) == ["m.gguf"]  # the F16 intermediate is gone
     types = _types(res.path)
     assert types["blk.0.attn_q.weight"] == Q.Q4_K
     assert Q.Q6_K in types.values()  # the _M mix keeps some tensors at 6 bits
@@ -56,10 +74,13 @@ def test_q4_k_m_end_to_end(wide, tmp_path: Path) -> None:  # noqa: ANN001
     assert {e.stage for e in events} == {"convert", "quantize"}
     r = GGUFReader(res.path)
     assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    ids = [tok.bos_token_id] + tok.encode(LOGIT_TEXT, add_special_tokens=False)
-    ref = reference_logits(model, ids)
-    got = llama_probe(res.path, logits=[ids])["logits0"]
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert top1_agreement(res.path, ids, top1) >= AGREEMENT["q4_k_m"]
+
+
+def test_broken_layer_fails_the_q4_k_m_agreement_check(q4_k_m, tmp_path: Path) -> None:  # noqa: ANN001
+    res, _, ids, top1 = q4_k_m
+    name = break_last_layer(res.path, tmp_path / "broken.gguf")
+    assert top1_agreement(tmp_path / "broken.gguf", ids, top1) < AGREEMENT["q4_k_m"], name
 
 
 def _write_imatrix(path: Path, model_gguf: Path, seed: int = 0) -> None:
