@@ -18,7 +18,13 @@ from convert.archs import Arch, arch_for, supported
 from convert.errors import ConvertError
 from convert.lora import Adapter, LoraWeight, check_against
 from convert.outtypes import to_f32
-from convert.source import SourceTensor, load_checkpoint, read_json, tensors_from_state_dict
+from convert.source import (
+    SourceTensor,
+    check_native_layout,
+    load_checkpoint,
+    read_json,
+    tensors_from_state_dict,
+)
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Checkpoint:
                 f"{folder} is not a folder",
                 "pass a Hugging Face model folder (config.json, weights, tokenizer files)",
             )
+        check_native_layout(folder)  # a publisher's own layout: name the Hugging Face one to use
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise ConvertError(f"{folder} has no config.json", "pass a Hugging Face model folder")

@@ -322,10 +322,8 @@ def convert_checkpoint(
         ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
     """
     import convert
-    from convert.source import check_native_layout
 
     try:
-        check_native_layout(src)  # before the converter asks for a config.json
         return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
                                progress=progress, lora=list(lora) or None)
     except convert.ConvertError as e:

@@ -69,6 +69,16 @@ def test_native_layout_is_refused_on_one_line(tokenizer: str, tmp_path: Path) ->
     assert not [f for f in folder.iterdir() if f.suffix == ".gguf"]
 
 
+def test_the_library_refuses_it_too(tmp_path: Path) -> None:
+    """convert.convert (the TUI, the ladder, scripts) says the same, before writing anything."""
+    import convert
+
+    folder = _native(tmp_path / "Ministral-8B", "tekken.json")
+    with pytest.raises(ConvertError, match="Mistral's native layout"):
+        convert.convert(folder, tmp_path / "m.gguf", outtype="f16")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_hugging_face_cache_snapshot_names_its_repository(tmp_path: Path) -> None:
     snap = tmp_path / "models--mistralai--Magistral-Small-2506" / "snapshots" / "0123abcd"
     _native(snap, "tekken.json")
