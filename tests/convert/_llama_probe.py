@@ -13,11 +13,11 @@ import sys
 import numpy as np
 
 
-def tokenize(llama_cpp, vocab, text: str) -> list[int]:  # noqa: ANN001
+def tokenize(llama_cpp, vocab, text: str, parse_special: bool = False) -> list[int]:  # noqa: ANN001
     data = text.encode("utf-8")
     n_max = len(data) + 16
     buf = (llama_cpp.llama_token * n_max)()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, False, False)
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, False, parse_special)
     if n < 0:
         raise RuntimeError(f"tokenize failed: {n}")
     return list(buf[:n])
@@ -53,7 +53,9 @@ def main() -> None:
             raise SystemExit("load failed")
         vocab = llama_cpp.llama_model_get_vocab(model)
         for i, text in enumerate(req["tokenize"]):
-            out[f"tok{i}"] = np.asarray(tokenize(llama_cpp, vocab, text), dtype=np.int64)
+            out[f"tok{i}"] = np.asarray(
+                tokenize(llama_cpp, vocab, text, bool(req.get("parse_special"))), dtype=np.int64
+            )
         llama_cpp.llama_model_free(model)
     if req.get("logits") or req.get("generate"):
         llm = llama_cpp.Llama(

@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader
 
 from tests.conftest import skip_or_fail
 
@@ -49,8 +50,11 @@ def llama_probe(
     generate: dict | None = None,
     n_ctx: int = 512,
     lora: list[tuple[Path, float]] | None = None,
+    parse_special: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Run llama.cpp on a GGUF (with GGUF LoRA adapters and scales) in a child process."""
+    """Run llama.cpp on a GGUF (with GGUF LoRA adapters and scales) in a child process.
+
+    parse_special: tokenize special-token text as the special tokens (as a chat prompt is)."""
     req_path = model.with_suffix(".probe.json")
     out_path = model.with_suffix(".probe.npz")
     req = {
@@ -60,6 +64,7 @@ def llama_probe(
         "generate": generate,
         "n_ctx": n_ctx,
         "lora": [[str(path), float(scale)] for path, scale in lora or ()],
+        "parse_special": parse_special,
     }
     req_path.write_text(json.dumps(req))
     proc = subprocess.run(
@@ -346,3 +351,24 @@ def converter_cache() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "localrun-tests"
     )
     return Path(base)
+
+
+def gguf_tensors(r: GGUFReader) -> dict[str, tuple]:
+    """Each tensor of a GGUF file: (type, shape, bytes), by name."""
+    return {
+        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
+        for t in r.tensors
+    }
+
+
+def reference_gguf(converter_dir: Path, folder: Path, out: Path, outtype: str) -> GGUFReader:
+    """The file llama.cpp's own convert_hf_to_gguf.py makes of a checkpoint folder."""
+    proc = subprocess.run(
+        [sys.executable, str(converter_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+         "--outfile", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return GGUFReader(out)

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from convert_helpers import llama_probe, make_checkpoint, need_asset
+from convert_helpers import gguf_tensors, llama_probe, make_checkpoint, need_asset, reference_gguf
 from gguf import GGUFReader
 
 import convert
-
-
-def _tensors(r: GGUFReader) -> dict[str, tuple]:
-    return {
-        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
-        for t in r.tensors
-    }
 
 
 @pytest.mark.slow
@@ -34,25 +25,10 @@ def test_same_file_as_llama_cpp_converter(
     shutil.copy(
         need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model"
     )
-    ref_path = tmp_path / "ref.gguf"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(llama_cpp_converter / "convert_hf_to_gguf.py"),
-            str(folder),
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(ref_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", outtype)
     ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype=outtype).path
-    ref, ours = GGUFReader(ref_path), GGUFReader(ours_path)
-    assert _tensors(ours) == _tensors(ref)  # names, types, shapes and bytes
+    ours = GGUFReader(ours_path)
+    assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
     for key, field in ref.fields.items():
         if key.startswith("GGUF.") or key == "general.name":
             continue

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, TOKENIZER_OF, llama_probe, make_checkpoint, need_asset
+from convert_helpers import (
+    LOGIT_TEXT,
+    TOKENIZER_OF,
+    gguf_tensors,
+    llama_probe,
+    make_checkpoint,
+    need_asset,
+    reference_gguf,
+)
 from gguf import GGUFReader
 
 import convert
@@ -31,12 +37,6 @@ PHI4_DENSE = {
     "tie_word_embeddings": False,
 }
 
-
-def _tensors(r: GGUFReader) -> dict[str, tuple]:
-    return {
-        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
-        for t in r.tensors
-    }
 
 
 def _fields(r: GGUFReader) -> dict[str, object]:
@@ -74,25 +74,10 @@ def test_same_file_as_llama_cpp_converter(
     folder = tmp_path / arch
     make_checkpoint(folder, arch, config=config)
     _as_reference_reads_it(folder, arch)
-    ref_path = tmp_path / "ref.gguf"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(llama_cpp_converter / "convert_hf_to_gguf.py"),
-            str(folder),
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(ref_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", outtype)
     ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype=outtype).path
-    ref, ours = GGUFReader(ref_path), GGUFReader(ours_path)
-    assert _tensors(ours) == _tensors(ref)  # names, types, shapes and bytes
+    ours = GGUFReader(ours_path)
+    assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
     want, got = _fields(ref), _fields(ours)
     for key, value in want.items():
         if key in IMPLICIT_FALSE and value is False and key not in got:
@@ -174,11 +159,11 @@ def test_phi4_mini_hub_config_converts_the_same(checkpoints, tmp_path: Path) -> 
     a = GGUFReader(convert.convert(folder, tmp_path / "a.gguf", outtype="f16").path)
     b = GGUFReader(convert.convert(hub, tmp_path / "b.gguf", outtype="f16").path)
     assert _fields(b) == _fields(a)
-    assert _tensors(b) == _tensors(a)
+    assert gguf_tensors(b) == gguf_tensors(a)
     fields = _fields(a)
     assert fields["phi3.rope.dimension_count"] == 12  # 0.75 of the 16-wide heads
     assert fields["phi3.attention.sliding_window"] == 0
-    assert "output.weight" not in _tensors(a)  # tied: llama.cpp reuses the embeddings
+    assert "output.weight" not in gguf_tensors(a)  # tied: llama.cpp reuses the embeddings
     factors = {t.name: np.asarray(t.data) for t in a.tensors if "rope_factors" in t.name}
     assert np.allclose(factors["rope_factors_short.weight"], rope["short_factor"])
 
@@ -196,7 +181,7 @@ def test_phi4_dense_shape_matches_transformers(tmp_path: Path) -> None:
     assert fields["phi3.rope.dimension_count"] == 16
     assert fields["phi3.attention.sliding_window"] == 0
     assert fields["phi3.attention.head_count_kv"] == 2
-    names = set(_tensors(r))
+    names = set(gguf_tensors(r))
     assert "output.weight" in names and not any("rope_factors" in n for n in names)
     ids = tok.encode(LOGIT_TEXT, add_special_tokens=False)
     ref = reference_logits(model, ids)

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, _tokenizer, llama_probe, need_asset, randomize
+from convert_helpers import (
+    LOGIT_TEXT,
+    _tokenizer,
+    gguf_tensors,
+    llama_probe,
+    need_asset,
+    randomize,
+    reference_gguf,
+)
 from gguf import GGUFReader
 
 import convert
@@ -210,12 +216,6 @@ def test_f16_top1_agrees(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN
     assert (got.argmax(-1) == top1).mean() >= 0.99
 
 
-def _tensors(r: GGUFReader) -> dict[str, tuple]:
-    return {
-        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
-        for t in r.tensors
-    }
-
 
 # Qwen3-MoE and OLMoE name their in-memory experts as Qwen2-MoE does.
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "granitemoe"])
@@ -226,7 +226,7 @@ def test_from_module_matches_folder_conversion(family: str, moe, tmp_path: Path)
     assert any("experts.gate_up_proj" in k for k in model.state_dict())
     a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
     b = convert.convert(folder, tmp_path / "disk.gguf", outtype="f16", name="m").path
-    assert _tensors(GGUFReader(a)) == _tensors(GGUFReader(b))
+    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(GGUFReader(b))
 
 
 @pytest.mark.slow
@@ -243,25 +243,10 @@ def test_same_file_as_llama_cpp_converter(
         shutil.copy(
             need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model"
         )
-    ref_path = tmp_path / "ref.gguf"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(llama_cpp_converter / "convert_hf_to_gguf.py"),
-            str(folder),
-            "--outtype",
-            "f16",
-            "--outfile",
-            str(ref_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")
     ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path
-    ref, ours = GGUFReader(ref_path), GGUFReader(ours_path)
-    assert _tensors(ours) == _tensors(ref)  # names, types, shapes and bytes
+    ours = GGUFReader(ours_path)
+    assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
 
     # The model's metadata (the vocabulary's is the tokenizer tests' business).
     def model_keys(r: GGUFReader) -> dict[str, object]:

@@ -160,42 +160,10 @@ def test_gpt2_regex_is_what_bytelevel_splits_by() -> None:
 
 # --- classification by behaviour: byte-level exports, SentencePiece space schemes ---------------
 
-_SPECIAL_PROBE = """
-import json, sys
-import llama_cpp
-req = json.load(open(sys.argv[1]))
-params = llama_cpp.llama_model_default_params()
-params.vocab_only = True
-model = llama_cpp.llama_model_load_from_file(req["model"].encode(), params)
-if not model:
-    raise SystemExit("load failed")
-vocab = llama_cpp.llama_model_get_vocab(model)
-out = []
-for text in req["texts"]:
-    data = text.encode("utf-8")
-    buf = (llama_cpp.llama_token * (len(data) + 16))()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(data) + 16, False, True)
-    out.append(list(buf[:n]))
-llama_cpp.llama_model_free(model)
-json.dump(out, open(sys.argv[2], "w"))
-"""
-
-
 def _llama_tokens(gguf: Path, texts: list[str]) -> list[list[int]]:
     """llama.cpp's tokens with special tokens parsed (as a chat prompt is), in a child process."""
-    import subprocess
-    import sys
-
-    req, res = gguf.with_suffix(".req.json"), gguf.with_suffix(".res.json")
-    req.write_text(json.dumps({"model": str(gguf), "texts": texts}))
-    p = subprocess.run(
-        [sys.executable, "-c", _SPECIAL_PROBE, str(req), str(res)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(res.read_text())
+    got = llama_probe(gguf, tokenize=texts, parse_special=True)
+    return [got[f"tok{i}"].tolist() for i in range(len(texts))]
 
 
 def _special_parity(gguf: Path, folder: Path, texts: list[str]) -> list[str]:
