@@ -105,30 +105,74 @@ def convert_to_mlx(
 
 def _mlx_lm_view(src: Path, work: Path) -> Path:
     """The checkpoint as mlx-lm reads it: transformers 5 writes some config keys where mlx-lm's
-    models do not look (rope_theta inside rope_parameters, which the models would replace by their
-    default; Qwen3-MoE's num_local_experts for num_experts, without which mlx-lm cannot load it).
-    If any is missing, a folder of links to the checkpoint's files with those keys added."""
+    models do not look (rope_theta and the rope scaling inside rope_parameters, which the models
+    would replace by their defaults; Qwen3-MoE's num_local_experts for num_experts, without which mlx-lm cannot load it),
+    and gpt-oss experts in a layout mlx-lm does not read. Where needed, a folder of links to the
+    checkpoint's files with those keys added and those tensors rewritten."""
     import json
 
     try:
         cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return src  # mlx-lm says what is wrong with it
-    extra: dict[str, Any] = {}
-    rope = cfg.get("rope_parameters")
-    if cfg.get("rope_theta") is None and isinstance(rope, dict) and isinstance(rope.get("rope_theta"), int | float):
-        extra["rope_theta"] = float(rope["rope_theta"])
+    from localrun.backends.mlx import mlx_rope_keys
+
+    extra: dict[str, Any] = mlx_rope_keys(cfg)
     for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
         if cfg.get(a) is None and isinstance(cfg.get(b), int):
             extra[a] = cfg[b]
-    if not extra:
+    fused = _fused_expert_files(src, cfg)
+    if not extra and not fused:
         return src
     work.mkdir(parents=True)
     for entry in src.iterdir():
-        if entry.name != "config.json":
+        if entry.name != "config.json" and entry.name not in fused and entry.name != "model.safetensors.index.json":
             os.symlink(entry.resolve(), work / entry.name)
     (work / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2) + "\n", encoding="utf-8")
+    renamed = {name: _unfuse(src / name, work / name) for name in sorted(fused)}
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))
+        new_names = {old: new for names in renamed.values() for old, new in names.items()}
+        data["weight_map"] = {new_names.get(k, k): v for k, v in data.get("weight_map", {}).items()}
+        (work / index.name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return work
+
+
+# gpt-oss experts as transformers saves them unquantized: one tensor per layer, [experts, in, out]
+# with no ".weight"; mlx-lm reads them as [experts, out, in] named "...gate_up_proj.weight".
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _fused_expert_files(src: Path, cfg: dict[str, Any]) -> set[str]:
+    """The safetensors files of a gpt-oss checkpoint that hold experts in transformers' layout."""
+    import json
+    import struct
+
+    if cfg.get("model_type") != "gpt_oss":
+        return set()
+    out = set()
+    for f in src.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            names = json.loads(fh.read(n))
+        if any(k.endswith(_FUSED_EXPERTS) for k in names):
+            out.add(f.name)
+    return out
+
+
+def _unfuse(src: Path, dst: Path) -> dict[str, str]:
+    """Write src with its fused expert tensors transposed and renamed; returns old -> new names."""
+    import mlx.core as mx
+
+    arrays = mx.load(str(src))
+    assert isinstance(arrays, dict)
+    renamed = {}
+    for k in [k for k in arrays if k.endswith(_FUSED_EXPERTS)]:
+        arrays[f"{k}.weight"] = mx.contiguous(mx.swapaxes(arrays.pop(k), -1, -2))
+        renamed[k] = f"{k}.weight"
+    mx.save_safetensors(str(dst), arrays, metadata={"format": "mlx"})
+    return renamed
 
 
 def _require_mlx_lm() -> None:

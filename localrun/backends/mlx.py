@@ -213,18 +213,31 @@ class _Detok:
 
 
 def _flat_rope(folder: Path) -> dict[str, Any]:
-    """transformers 5 saves rope_theta inside rope_parameters, where mlx-lm's models do not look
-    (they would run with the default base of 10000): give it at the top level as well."""
+    """mlx_rope_keys of a folder's config.json ({} when it cannot be read)."""
     import json
 
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return mlx_rope_keys(cfg) if isinstance(cfg, dict) else {}
+
+
+def mlx_rope_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 saves rope_theta and the scaling (yarn, llama3, linear...) inside
+    rope_parameters, where mlx-lm's models do not look: they would run with their default base
+    and no scaling. The top-level keys mlx-lm reads, for a config that lacks them."""
     rope = cfg.get("rope_parameters")
-    if cfg.get("rope_theta") is None and isinstance(rope, dict) and isinstance(rope.get("rope_theta"), int | float):
-        return {"rope_theta": float(rope["rope_theta"])}
-    return {}
+    if not isinstance(rope, dict):
+        return {}
+    out: dict[str, Any] = {}
+    if cfg.get("rope_theta") is None and isinstance(rope.get("rope_theta"), int | float):
+        out["rope_theta"] = float(rope["rope_theta"])
+    kind = rope.get("rope_type") or rope.get("type")
+    if cfg.get("rope_scaling") is None and kind not in (None, "default"):
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
+    return out
 
 
 class MLXEngine:

@@ -41,10 +41,20 @@ def _configs() -> dict[str, Callable[..., Any]]:
         "granitemoe": lambda **kw: tf.GraniteMoeConfig(**COMMON, **kw, **moe, num_local_experts=N_EXPERTS,
                                                        embedding_multiplier=3.0, residual_multiplier=0.5,
                                                        attention_multiplier=0.2, logits_scaling=0.5),
+        "gpt_oss": lambda **kw: tf.GptOssConfig(**COMMON, **kw, **moe, num_local_experts=N_EXPERTS, head_dim=16,
+                                                sliding_window=4,
+                                                layer_types=["sliding_attention", "full_attention"],
+                                                # mlx-lm's yarn always rounds the correction range;
+                                                # the published config's truncate=False would differ
+                                                # from transformers by ~1e-3 of the logits' span.
+                                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                 "factor": 32.0, "beta_fast": 32.0,
+                                                                 "beta_slow": 1.0, "truncate": True,
+                                                                 "original_max_position_embeddings": 4096}),
     }
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss"]
 
 
 def _randomize(model: Any, seed: int) -> None:
