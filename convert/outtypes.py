@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -114,13 +117,56 @@ def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
+# Elements per step of the F16 encoders: their temporaries (numpy's intp indices) stay in cache.
+_CHUNK = 1 << 16
+
+
+@functools.cache
+def _bf16_to_f16_table() -> np.ndarray:
+    """The F16 of every BF16 bit pattern, made by numpy's own float32 -> float16 cast."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32).astype(np.float16)
+
+
+def bf16_to_f16(a: np.ndarray) -> np.ndarray:
+    """BF16 (as uint16) to float16 by table look-up: the bytes of the float32 cast, in one pass."""
+    table = _bf16_to_f16_table()
+    flat = np.ascontiguousarray(a).reshape(-1)
+    out = np.empty(flat.shape, np.float16)
+    for i in range(0, flat.size, _CHUNK):
+        np.take(table, flat[i : i + _CHUNK], out=out[i : i + _CHUNK], mode="wrap")
+    return out.reshape(a.shape)
+
+
+def f32_to_f16(a: np.ndarray) -> np.ndarray:
+    """float32 to float16; values that are BF16 numbers (converted BF16 rows) go by table."""
+    flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    out = np.empty(flat.shape, np.float16)
+    if sys.byteorder != "little":
+        out[:] = flat
+        return out.reshape(a.shape)
+    bits, table = flat.view(np.uint32), _bf16_to_f16_table()
+    tmp = np.empty(min(_CHUNK, flat.size), np.uint32)
+    for i in range(0, flat.size, _CHUNK):
+        chunk, t = bits[i : i + _CHUNK], tmp[: min(_CHUNK, flat.size - i)]
+        np.bitwise_and(chunk, 0xFFFF, out=t)
+        if t.any():  # not BF16 numbers (an F32 source): numpy's cast for the rest
+            out[i:] = flat[i:]
+            break
+        np.right_shift(chunk, 16, out=t)
+        np.take(table, t, out=out[i : i + _CHUNK], mode="wrap")
+    return out.reshape(a.shape)
+
+
 def encode(a: np.ndarray, dtype: str, qtype: Q, converted: bool = False) -> np.ndarray:
     """A block of rows in source storage (or float32 if converted) as the bytes of qtype."""
     src = "F32" if converted else dtype
     if qtype == Q.F32:
         return to_f32(a, src)
     if qtype == Q.F16:
-        return a if src == "F16" else to_f32(a, src).astype(np.float16)
+        if src == "F16":
+            return a
+        return bf16_to_f16(a) if src == "BF16" else f32_to_f16(to_f32(a, src))
     if qtype == Q.BF16 and src == "BF16":
         return a
     assert a.dtype == DTYPES[src]
