@@ -66,7 +66,10 @@ def _metadata(ckpt: Checkpoint, plan: Plan, name: str | None):  # noqa: ANN202
         if total > 0:
             w.add_size_label(gguf.size_label(total, shared, expert, n_expert))
         ckpt.arch.write_hparams(w)
-        w.add_file_type(outtypes.DIRECT_FTYPE[outtypes.DIRECT[plan.written_type]])
+        ftype = outtypes.DIRECT_FTYPE[outtypes.DIRECT[plan.written_type]]
+        if any(t.qtype == gguf.GGMLQuantizationType.MXFP4 for t in plan.tensors):
+            ftype = gguf.LlamaFileType.MOSTLY_MXFP4_MOE  # as llama.cpp's converter labels it
+        w.add_file_type(ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         vocab.write(w)
 

@@ -91,7 +91,8 @@ def specs(ckpt: Checkpoint) -> list[TensorSpec]:
     joined: dict[str, list[TensorSpec]] = {}
     consumed: set[str] = set()
     for spec in ckpt.arch.joined_specs({name: t.shape for name, t in ckpt.tensors.items()}):
-        _check_pieces(ckpt, spec)
+        if spec.pieces:
+            _check_pieces(ckpt, spec)
         joined.setdefault(spec.sources[0], []).append(spec)
         consumed.update(spec.sources)
     out: list[TensorSpec] = []

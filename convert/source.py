@@ -20,6 +20,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),  # packed quantized data (MXFP4 blocks and scales)
 }
 
 

@@ -125,6 +125,9 @@ def _work_items(
         data = spec.data
         yield lambda: outtypes.encode(data, "F32", qtype)
         return
+    if spec.produce is not None:
+        yield from spec.produce(ckpt.tensors)
+        return
     if spec.pieces:
         for piece in spec.pieces:
             yield from _piece_items(ckpt, piece, qtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,13 +49,18 @@ class TensorSpec:
     # block by block; `source` names the first piece's tensor and fn/whole do not apply.
     pieces: tuple[Piece, ...] = ()
     qtype: gguf.GGMLQuantizationType | None = None  # a fixed type, whatever the output type
+    # Set: the tensor's bytes, as work items made from the checkpoint's source tensors (by name),
+    # for data that combines several sources block by block (MXFP4 blocks and their scales);
+    # `source` and `also_reads` name what it reads.
+    produce: Callable[[Mapping[str, Any]], Iterator[Callable[[], np.ndarray]]] | None = None
+    also_reads: tuple[str, ...] = ()
 
     @property
     def sources(self) -> tuple[str, ...]:
         """Every source tensor this one reads, in order, once each."""
         if self.pieces:
             return tuple(dict.fromkeys(p.source for p in self.pieces))
-        return (self.source,) if self.source else ()
+        return ((self.source,) if self.source else ()) + self.also_reads
 
 
 def permute_rows(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
