@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -139,8 +141,8 @@ def _limited_env() -> Any:
     return Limited
 
 
-class _Limits:
-    """The current render's budget (one render at a time per thread; renders are short)."""
+class _Limits(threading.local):
+    """The current render's budget, per thread (the server renders on several at once)."""
 
     output = TEMPLATE_MIN_OUTPUT
 
@@ -155,7 +157,7 @@ def _resident() -> int | None:
     """This process's resident memory in bytes (Linux), else None."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * 4096
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
 
@@ -216,8 +218,7 @@ def render_template(
     from jinja2.exceptions import SecurityError, TemplateError
 
     data = [m.to_dict() for m in messages]
-    size = sum(len(m.content) for m in messages) + len(json.dumps(extra, default=str)) if extra else \
-        sum(len(m.content) for m in messages)
+    size = sum(len(m.content) for m in messages) + (len(json.dumps(extra, default=str)) if extra else 0)
     limit = max(TEMPLATE_MIN_OUTPUT, TEMPLATE_OUTPUT_FACTOR * size)
     previous = sys.gettrace()
     try:

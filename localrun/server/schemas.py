@@ -47,10 +47,19 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """Clients send `"field": null` for fields they leave unset."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Request(_Body):
+    """A whole request body: its text is checked once, nested parts included."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
         if _has_lone_surrogate(data):
             raise PydanticCustomError("unpaired_surrogate", "the request body holds text with an unpaired "
                                       "surrogate escape (\\ud800-\\udfff); send valid Unicode")
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        return data
 
 
 # -- OpenAI ---------------------------------------------------------------------------------
@@ -81,7 +90,7 @@ class LoraRef(_Body):
     scale: Annotated[float, Field(allow_inf_nan=False)] = 1.0
 
 
-class Sampling(_Body):
+class Sampling(_Request):
     """Sampling and stopping fields common to chat and text completions."""
 
     lora: list[LoraRef] | None = None
@@ -190,7 +199,7 @@ class CompletionRequest(Sampling):
         return replace(params, grammar=constraint.grammar) if constraint is not None else params
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(_Request):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -204,7 +213,7 @@ class EmbeddingRequest(_Body):
 # -- Ollama ---------------------------------------------------------------------------------
 
 
-class _Named(_Body):
+class _Named(_Request):
     """Ollama accepts the model under `model` or, in older clients, `name`."""
 
     model: str = ""
