@@ -88,10 +88,19 @@ def auto_type(source_dtypes: set[str]) -> str:
     return "bf16" if "BF16" in source_dtypes else "f16"
 
 
+# Name endings of the tensors llama.cpp's converter and quantizer keep in F32 (routers).
+_F32_ENDINGS = tuple(
+    "." + gguf.TENSOR_NAMES[t].rsplit(".", 1)[-1] + ".weight"
+    for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
+)
+
+
 def tensor_type(name: str, shape: tuple[int, ...], outtype: Q) -> Q:
     """The GGUF type of one tensor for a directly written output type (as llama.cpp chooses)."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return Q.F32  # norms, biases, rope factors: small and sensitive
+    if name.endswith(_F32_ENDINGS):
+        return Q.F32  # routers, whatever the output type
     if outtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
         return Q.F16  # rows that do not fill whole blocks
     return outtype

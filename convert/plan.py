@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 from gguf import GGMLQuantizationType as Q
 
 from convert import outtypes
 from convert.archs import TensorSpec
 from convert.checkpoint import Checkpoint
 from convert.errors import ConvertError
+
+_TOKEN_EMBD = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+_OUTPUT = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
 
 
 @dataclass(frozen=True)
@@ -84,15 +89,14 @@ def _human(n: float) -> str:
 
 
 def specs(ckpt: Checkpoint) -> list[TensorSpec]:
-    """Every output tensor, in source order, with the generated ones last.
+    """Every output tensor, in source order, then the embeddings' copy as the output matrix
+    where the family needs one and the checkpoint has none, then the generated ones.
 
     A tensor made from several sources (stacked experts) comes where its first source is.
     """
     joined: dict[str, list[TensorSpec]] = {}
     consumed: set[str] = set()
     for spec in ckpt.arch.joined_specs({name: t.shape for name, t in ckpt.tensors.items()}):
-        if spec.pieces:
-            _check_pieces(ckpt, spec)
         joined.setdefault(spec.sources[0], []).append(spec)
         consumed.update(spec.sources)
     out: list[TensorSpec] = []
@@ -100,19 +104,21 @@ def specs(ckpt: Checkpoint) -> list[TensorSpec]:
     for name, t in ckpt.tensors.items():
         made = joined.pop(name, [])
         if name not in consumed:
-            own = ckpt.arch.specs(name, t.shape)
-            for spec in own:
-                if spec.pieces:
-                    _check_pieces(ckpt, spec)
-            made += own
+            made += ckpt.arch.specs(name, t.shape)
         for spec in made:
             if spec.name in seen:
                 raise ConvertError(f"two source tensors map to {spec.name!r}", f"check {name!r}")
+            if spec.pieces:
+                _check_pieces(ckpt, spec)
             seen.add(spec.name)
             out.append(spec)
-    out += ckpt.arch.extra_tensors()
-    if not any(s.name == "token_embd.weight" for s in out):
+    embeddings = next((s for s in out if s.name == _TOKEN_EMBD), None)
+    if embeddings is None:
         raise ConvertError("the checkpoint has no token embeddings", "the weights look incomplete")
+    if ckpt.arch.output_required and _OUTPUT not in seen:
+        # tied embeddings, which llama.cpp's graph for this family does not reuse: a copy
+        out.append(dataclasses.replace(embeddings, name=_OUTPUT))
+    out += ckpt.arch.extra_tensors()
     return out
 
 

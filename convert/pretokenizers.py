@@ -13,6 +13,7 @@ prefix reproduces them is checked by running their normalizer and pre-tokenizer 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -242,8 +243,6 @@ def _llama_spm_text(text: str, prefix: bool) -> str:
 
 def _hf_spm_text(tj: dict[str, Any]) -> dict[str, str]:
     """What the tokenizer.json's normalizer and pre-tokenizer give the BPE model for each probe."""
-    import json
-
     from tokenizers import Tokenizer
 
     chars = sorted({c for t in _PROBES for c in t.replace(PROBE_TOKEN, "")} | {SPACE})

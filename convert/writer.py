@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -17,11 +18,11 @@ import numpy as np
 
 from convert import outtypes
 from convert.archs import TensorSpec
-from convert.archs.base import Piece
 from convert.checkpoint import Checkpoint
 from convert.errors import ConvertError
 from convert.plan import Plan, PlannedTensor
 from convert.progress import Progress, ProgressCallback
+from convert.source import SourceTensor
 
 log = logging.getLogger(__name__)
 
@@ -130,56 +131,49 @@ def _work_items(
         return
     if spec.pieces:
         for piece in spec.pieces:
-            yield from _piece_items(ckpt, piece, qtype)
+            src = ckpt.tensors[piece.source]
+            stop = src.matrix_rows if piece.stop is None else piece.stop
+            yield from _blocks(
+                src.read_matrix, src, piece.start, stop, src.matrix_rows, None, qtype
+            )
         return
     src = ckpt.tensors[spec.source]
     fn = spec.fn
-    if fn is not None and spec.whole:
-
-        def whole() -> np.ndarray:
-            return outtypes.encode(
-                fn(outtypes.to_f32(src.read(), src.dtype)), src.dtype, qtype, converted=True
-            )
-
-        yield whole
-        return
-    row_bytes = max(src.nbytes // max(src.rows, 1), 1)
-    step = max(1, BLOCK_BYTES // row_bytes)
-    for start in range(0, src.rows, step):
-        stop = min(start + step, src.rows)
-
-        def block(a: int = start, b: int = stop) -> np.ndarray:
-            rows = src.read(a, b)
-            if fn is None:
-                return outtypes.encode(rows, src.dtype, qtype)
-            return outtypes.encode(
-                fn(outtypes.to_f32(rows, src.dtype)), src.dtype, qtype, converted=True
-            )
-
-        yield block
+    # a function that moves rows across blocks (e.g. a permutation) gets the whole tensor at once
+    whole = fn is not None and spec.whole
+    yield from _blocks(src.read, src, 0, src.rows, src.rows, fn, qtype, whole)
 
 
-def _piece_items(
-    ckpt: Checkpoint, piece: Piece, qtype: gguf.GGMLQuantizationType
+def _blocks(
+    read: Callable[[int, int], np.ndarray],
+    src: SourceTensor,
+    start: int,
+    stop: int,
+    rows: int,
+    fn: Callable[[np.ndarray], np.ndarray] | None,
+    qtype: gguf.GGMLQuantizationType,
+    whole: bool = False,
 ) -> Iterator[Callable[[], np.ndarray]]:
-    """Closures that each produce the next bytes of one piece, a block of matrix rows each."""
-    src = ckpt.tensors[piece.source]
-    stop_row = src.matrix_rows if piece.stop is None else piece.stop
-    fn = piece.fn
-    row_bytes = max(src.nbytes // max(src.matrix_rows, 1), 1)
-    step = max(1, BLOCK_BYTES // row_bytes)
-    for start in range(piece.start, stop_row, step):
-        stop = min(start + step, stop_row)
+    """Closures that encode rows [start, stop) of src (of `rows` in all), about BLOCK_BYTES each
+    (or all of them in one, when whole)."""
+    step = max(1, stop - start if whole else BLOCK_BYTES // max(src.nbytes // max(rows, 1), 1))
+    for a in range(start, stop, step):
+        yield functools.partial(_encode_rows, read, a, min(a + step, stop), src.dtype, fn, qtype)
 
-        def block(a: int = start, b: int = stop) -> np.ndarray:
-            rows = src.read_matrix(a, b)
-            if fn is None:
-                return outtypes.encode(rows, src.dtype, qtype)
-            return outtypes.encode(
-                fn(outtypes.to_f32(rows, src.dtype)), src.dtype, qtype, converted=True
-            )
 
-        yield block
+def _encode_rows(
+    read: Callable[[int, int], np.ndarray],
+    a: int,
+    b: int,
+    dtype: str,
+    fn: Callable[[np.ndarray], np.ndarray] | None,
+    qtype: gguf.GGMLQuantizationType,
+) -> np.ndarray:
+    """Rows [a, b) as the output type's bytes, through a row-wise function on float32 if any."""
+    rows = read(a, b)
+    if fn is None:
+        return outtypes.encode(rows, dtype, qtype)
+    return outtypes.encode(fn(outtypes.to_f32(rows, dtype)), dtype, qtype, converted=True)
 
 
 def write_model(

@@ -16,12 +16,6 @@ from convert.errors import ConvertError
 # Tensors that hold no weights llama.cpp uses.
 SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
 
-# Kept in F32 whatever the output type, as llama.cpp's converter and quantizer do (routers).
-F32_TENSORS = frozenset(
-    gguf.TENSOR_NAMES[t].rsplit(".", 1)[-1]
-    for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
-)
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -31,7 +25,6 @@ class Piece:
     source: str
     start: int = 0
     stop: int | None = None  # None: to the last row
-    fn: Callable[[np.ndarray], np.ndarray] | None = None  # row-wise, on float32 rows
 
 
 @dataclass
@@ -48,7 +41,8 @@ class TensorSpec:
     # Set: the tensor is these pieces one after another (a layer's experts stacked), streamed
     # block by block; `source` names the first piece's tensor and fn/whole do not apply.
     pieces: tuple[Piece, ...] = ()
-    qtype: gguf.GGMLQuantizationType | None = None  # a fixed type, whatever the output type
+    # A fixed type, whatever the output type (bytes that `produce` makes, e.g. MXFP4).
+    qtype: gguf.GGMLQuantizationType | None = None
     # Set: the tensor's bytes, as work items made from the checkpoint's source tensors (by name),
     # for data that combines several sources block by block (MXFP4 blocks and their scales);
     # `source` and `also_reads` name what it reads.
@@ -86,6 +80,9 @@ class Arch:
     gguf_arch: ClassVar[gguf.MODEL_ARCH]
     # Extra Hugging Face tensor names (prefix match) that llama.cpp does not use.
     skip_prefixes: ClassVar[tuple[str, ...]] = ()
+    # llama.cpp's graph reads output.weight even when the embeddings are tied: the plan copies
+    # the embeddings there if the checkpoint has no output matrix.
+    output_required: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         if isinstance(config.get("text_config"), dict):
@@ -162,6 +159,15 @@ class Arch:
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            if (ext := rope.get("extrapolation_factor")) is not None:
+                w.add_rope_scaling_yarn_ext_factor(float(ext))
+            attn = rope.get("attention_factor", rope.get("attn_factor"))
+            if attn is not None:
+                w.add_rope_scaling_yarn_attn_factor(float(attn))
+            if (fast := rope.get("beta_fast")) is not None:
+                w.add_rope_scaling_yarn_beta_fast(float(fast))
+            if (slow := rope.get("beta_slow")) is not None:
+                w.add_rope_scaling_yarn_beta_slow(float(slow))
         elif rope_type not in ("default", "llama3", "longrope", "su"):
             raise ConvertError(
                 f"rope type {rope_type!r} is not supported for {self.name}",
@@ -186,7 +192,7 @@ class Arch:
         if self.skip(name):
             return []
         new = self.gguf_name(name)
-        return [TensorSpec(new, name, shape, fn=self.transform(name), qtype=fixed_type(new))]
+        return [TensorSpec(new, name, shape, fn=self.transform(name))]
 
     def joined_specs(self, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
         """GGUF tensors made from several source tensors (a layer's experts stacked); the
@@ -200,20 +206,16 @@ class Arch:
         """Tensors computed from the config (rope factors)."""
         return []
 
-    def tensor_name(self, key: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
+    def tensor_name(
+        self, key: gguf.MODEL_TENSOR, bid: int | None = None, suffix: str = ".weight"
+    ) -> str:
         name = gguf.TENSOR_NAMES[key]
-        return (name.format(bid=bid) if bid is not None else name) + ".weight"
+        return (name.format(bid=bid) if bid is not None else name) + suffix
 
     # --- vocabulary -------------------------------------------------------------------------
     def add_space_prefix(self) -> bool | None:
         """Override of the SentencePiece space prefix (None: from the tokenizer)."""
         return None
-
-
-def fixed_type(gguf_name: str) -> gguf.GGMLQuantizationType | None:
-    """F32 for the tensors llama.cpp never converts to the output type (routers), else None."""
-    parts = gguf_name.split(".")
-    return gguf.GGMLQuantizationType.F32 if len(parts) > 1 and parts[-2] in F32_TENSORS else None
 
 
 def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -268,8 +270,10 @@ class MoeArch(Arch):
     # Whether llama.cpp's graph renormalizes the top-k routing weights; None: the family's
     # config has no norm_topk_prob choice.
     topk_renorm: ClassVar[bool | None] = None
-    # llama.cpp's graph reads output.weight even when the embeddings are tied: write them twice.
-    output_required: ClassVar[bool] = False
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.check_experts()  # before any weight is read
 
     def expert_count(self) -> int:
         return int(self.need("num_local_experts", "num_experts"))
@@ -317,12 +321,6 @@ class MoeArch(Arch):
             return []  # stacked with the layer's other experts by joined_specs
         if self.skip(name):
             return []
-        tied = self.output_required and bool(self.get("tie_word_embeddings", False))
-        if tied and name == "lm_head.weight":
-            return []  # the same values as the embeddings, written from them below
-        if tied and name == "model.embed_tokens.weight":
-            out = super().specs(name, shape)
-            return [*out, TensorSpec(self.tensor_name(_T.OUTPUT), name, shape)]
         if name.endswith(self.fused_gate_up):
             self._experts_shape(name, shape, "2 * n_ff, n_embd")
             if shape[1] % 2:
@@ -343,7 +341,6 @@ class MoeArch(Arch):
         return super().specs(name, shape)
 
     def joined_specs(self, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
-        self.check_experts()
         groups: dict[tuple[int, str], dict[int, str]] = {}
         for name in shapes:
             m = _PER_EXPERT.match(name)

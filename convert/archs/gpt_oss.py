@@ -85,20 +85,9 @@ class GptOss(MoeArch):
 
     def write_hparams(self, w: gguf.GGUFWriter) -> None:
         super().write_hparams(w)
-        rope = self.rope()
-        if (rope.get("rope_type") or "").lower() == "yarn":
-            # What llama.cpp's converter writes of a YaRN config beyond factor and context.
-            if (ext := rope.get("extrapolation_factor")) is not None:
-                w.add_rope_scaling_yarn_ext_factor(float(ext))
-            attn = rope.get("attention_factor", rope.get("attn_factor"))
-            if attn is not None:
-                w.add_rope_scaling_yarn_attn_factor(float(attn))
-            if (fast := rope.get("beta_fast")) is not None:
-                w.add_rope_scaling_yarn_beta_fast(float(fast))
-            if (slow := rope.get("beta_slow")) is not None:
-                w.add_rope_scaling_yarn_beta_slow(float(slow))
         w.add_sliding_window(int(self.need("sliding_window")))
-        w.add_expert_feed_forward_length(int(self.need("intermediate_size")))
+        if self.get("moe_intermediate_size") is None:  # else MoeArch wrote it
+            w.add_expert_feed_forward_length(int(self.need("intermediate_size")))
 
     def joined_specs(self, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSpec]:
         out = super().joined_specs(shapes)
@@ -128,7 +117,7 @@ class GptOss(MoeArch):
             for key, which, step in kinds:
                 out.append(
                     TensorSpec(
-                        f"{gguf.TENSOR_NAMES[key].format(bid=bid)}.weight",
+                        self.tensor_name(key, bid),
                         name,
                         (n, rows // step, cols),
                         qtype=gguf.GGMLQuantizationType.MXFP4,
@@ -159,22 +148,22 @@ class GptOss(MoeArch):
             # The fns see whole experts: the writer's blocks of rows are of the first dimension.
             ff = shape[-1] // 2
             out_shape = (n, ff) if bias else (n, ff, shape[1])
-            suffix = "bias" if bias else "weight"
+            suffix = ".bias" if bias else ".weight"
             return [
                 TensorSpec(
-                    f"{gguf.TENSOR_NAMES[key].format(bid=bid)}.{suffix}",
+                    self.tensor_name(key, bid, suffix),
                     name,
                     out_shape,
                     fn=_columns(which, transpose=not bias),
                 )
                 for which, key in enumerate((_T.FFN_GATE_EXP, _T.FFN_UP_EXP))
             ]
-        down = gguf.TENSOR_NAMES[_T.FFN_DOWN_EXP].format(bid=bid)
         if proj == "down_proj":
             self._experts_shape(name, shape, "n_ff, n_embd")
-            return [TensorSpec(f"{down}.weight", name, (n, shape[2], shape[1]), fn=_transposed)]
+            down = self.tensor_name(_T.FFN_DOWN_EXP, bid)
+            return [TensorSpec(down, name, (n, shape[2], shape[1]), fn=_transposed)]
         if proj == "down_proj_bias":
-            return [TensorSpec(f"{down}.bias", name, shape)]
+            return [TensorSpec(self.tensor_name(_T.FFN_DOWN_EXP, bid, ".bias"), name, shape)]
         raise ConvertError(
             f"tensor {name!r} has no llama.cpp equivalent for {self.name}",
             "the checkpoint may be a variant this converter does not know",

@@ -3,20 +3,20 @@ Granite's scales of the embeddings, residuals, attention and logits."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import gguf
 
 from convert.archs import register
 from convert.archs.base import MoeArch, Piece, TensorSpec
-from convert.archs.llama import Llama
+from convert.archs.granite import Granite
 from convert.errors import ConvertError
 
 _T = gguf.MODEL_TENSOR
 
 
 @register("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
-class GraniteMoe(MoeArch, Llama):
+class GraniteMoe(MoeArch, Granite):
     gguf_arch = gguf.MODEL_ARCH.GRANITE_MOE
     # Saved checkpoints fuse each layer's experts: input_linear [n_expert, 2 * n_ff, n_embd]
     # (gate rows, then up rows) and output_linear [n_expert, n_embd, n_ff].
@@ -29,21 +29,8 @@ class GraniteMoe(MoeArch, Llama):
         ".block_sparse_moe.output_linear.weight",
     )
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__(config)
-        # llama.cpp's Granite graph derives the head size; it ignores a head_dim in the config.
-        self.config = {k: v for k, v in self.config.items() if k != "head_dim"}
-
     def write_hparams(self, w: gguf.GGUFWriter) -> None:
         super().write_hparams(w)
-        if scale := self.get("attention_multiplier"):
-            w.add_attention_scale(float(scale))
-        if scale := self.get("embedding_multiplier"):
-            w.add_embedding_scale(float(scale))
-        if scale := self.get("residual_multiplier"):
-            w.add_residual_scale(float(scale))
-        if scale := self.get("logits_scaling"):
-            w.add_logit_scale(float(scale))
         if n_ff := self.get("shared_intermediate_size"):
             w.add_expert_shared_feed_forward_length(int(n_ff))
 

@@ -202,3 +202,24 @@ def test_granite_ignores_head_dim(checkpoints, tmp_path: Path) -> None:
     assert "granite.attention.key_length" not in fields
     assert fields["granite.embedding_scale"] == pytest.approx(12.0)
     assert fields["granite.logit_scale"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("stores_head", [False, True], ids=["embeddings-only", "lm-head-too"])
+def test_tied_olmo2_gets_one_output_matrix(stores_head: bool, tmp_path: Path) -> None:
+    # llama.cpp's OLMo 2 needs output.weight: the embeddings' copy, or the stored lm_head.
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "olmo2"
+    make_checkpoint(folder, "olmo2", config={"tie_word_embeddings": True})
+    weights = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    if stores_head:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].copy()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    plan = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", dry_run=True).plan
+    assert plan is not None
+    outputs = [t for t in plan.tensors if t.name == "output.weight"]
+    want = "lm_head.weight" if stores_head else "model.embed_tokens.weight"
+    assert [t.source for t in outputs] == [want]
+    embd = next(t for t in plan.tensors if t.name == "token_embd.weight")
+    assert outputs[0].shape == embd.shape
