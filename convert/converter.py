@@ -88,8 +88,12 @@ def run(
     progress: ProgressCallback | None = None,
     threads: int | None = None,
     lora: LoraSpec | None = None,
+    before_write: Callable[[Result], None] | None = None,
 ) -> Result:
-    """Plan, check, write (and quantize) one checkpoint, with LoRA adapters merged if given."""
+    """Plan, check, write (and quantize) one checkpoint, with LoRA adapters merged if given.
+
+    before_write: called with the planned result (path and plan) once the plan, the tokenizer and
+    the output path are checked, before anything is written; an exception from it stops there."""
     if lora:
         ckpt = ckpt.merge(read_adapters(lora))  # checks every shape before any writing
     plan, specs = build_plan(ckpt, out, outtype, Path(imatrix) if imatrix else None)
@@ -97,6 +101,8 @@ def run(
     if dry_run:
         return Result(out, plan, 0.0)
     check_target(out, force)
+    if before_write is not None:
+        before_write(Result(out, plan, 0.0))
     remove_stale_temps(out)
     check_space(out.parent, plan.gguf_bytes + (plan.final_bytes if plan.quantized else 0))
     start = time.monotonic()
@@ -126,6 +132,7 @@ def convert(
     progress: ProgressCallback | None = None,
     threads: int | None = None,
     lora: LoraSpec | None = None,
+    before_write: Callable[[Result], None] | None = None,
 ) -> Result:
     """Convert a Hugging Face model folder to GGUF.
 
@@ -142,6 +149,8 @@ def convert(
         lora: (PEFT LoRA folder, scale) pairs merged into the weights before conversion and
             quantization: W + scale * scaling * (B @ A), block by block in float32; several add
             up. modules_to_save weights replace the base tensor (the scale does not apply).
+        before_write: called with the planned Result (output path and plan) before anything is
+            written (e.g. to choose or refuse a name for the output).
 
     Returns:
         Result with the output path, the plan and the time taken.
@@ -169,6 +178,7 @@ def convert(
         progress=progress,
         threads=threads,
         lora=adapters,
+        before_write=before_write,
     )
 
 

@@ -25,7 +25,7 @@ from localrun.backends.base import (
 from localrun.errors import BackendUnavailableError, ConversionError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
-from localrun.system import disk_full, mount_point
+from localrun.system import disk_full
 
 if TYPE_CHECKING:
     from localrun.adapters import Target
@@ -302,6 +302,7 @@ def convert_checkpoint(
     dry_run: bool = False,
     progress: Any = None,
     lora: Sequence[tuple[str, float]] = (),
+    before_write: Any = None,
 ) -> Any:
     """Convert a Hugging Face checkpoint folder to GGUF without registering it.
 
@@ -314,6 +315,7 @@ def convert_checkpoint(
         dry_run: only plan (the plan is in the result); nothing is written.
         progress: called after each tensor with a convert.Progress event.
         lora: PEFT LoRA folders and scales merged into the weights before conversion.
+        before_write: called with the planned convert.Result before anything is written.
 
     Returns:
         convert.Result: the output path, the plan and the time taken.
@@ -323,19 +325,27 @@ def convert_checkpoint(
     """
     import convert
 
+    planned: list[Any] = []
+
+    def checked(result: Any) -> None:
+        planned.append(result)
+        if before_write is not None:
+            before_write(result)
+
     try:
         return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
-                               progress=progress, lora=list(lora) or None)
+                               progress=progress, lora=list(lora) or None, before_write=checked)
     except convert.ConvertError as e:
         raise ConversionError(e.message, e.hint) from e
     except OSError as e:
-        where = Path(out).parent if out is not None else Path(src)
-        if (full := disk_full(e, where)) is None:
+        target = planned[0].path if planned else Path(out if out is not None else src)
+        if (full := disk_full(e, target.parent)) is None:
             raise
+        disk, state = full
         raise ConversionError(
-            f"cannot write the converted model {'to ' + repr(str(out)) if out is not None else 'into ' + str(where)}:"
-            f" {full}; the partial file was removed and nothing was registered",
-            f"free some space on {mount_point(where)}, or write elsewhere with -o",
+            f"cannot write the converted model to '{target}': the disk at {disk} is {state};"
+            " the partial file was removed and nothing was registered",
+            f"free some space on {disk}, or write the model to another disk",
         ) from e
 
 
@@ -361,10 +371,14 @@ def convert_model(
         ConversionError: the conversion failed.
         UsageError: the name asked for is taken (and force is not set); raised before any work.
     """
-    planned = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=True)
-    chosen = conversion_name(planned.path, src, planned.plan.outtype, name=name, replace=force)
-    result = convert_checkpoint(src, planned.path, outtype=outtype, imatrix=imatrix, force=force, progress=progress)
-    return add_model(result.path, name=chosen, replace=force and name is not None, converted_from=src)
+    chosen: list[str] = []
+
+    def choose(planned: Any) -> None:
+        chosen.append(conversion_name(planned.path, src, planned.plan.outtype, name=name, replace=force))
+
+    result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress,
+                                before_write=choose)
+    return add_model(result.path, name=chosen[0], replace=force and name is not None, converted_from=src)
 
 
 def conversion_name(out: str | os.PathLike[str], src: str | os.PathLike[str], outtype: str,
@@ -410,7 +424,7 @@ def _checkpoint_name(src: str | os.PathLike[str]) -> str:
     """A checkpoint folder's model name: its own, or its repository's for a Hugging Face snapshot."""
     folder = Path(os.path.abspath(src))
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent.name.split("--")[-1]
+        return folder.parent.parent.name.split("--", 2)[-1]  # models--ORG--NAME (NAME may hold "--")
     return folder.name
 
 
@@ -532,13 +546,15 @@ def list_repo_files(repo: str, revision: str | None = None) -> Any:
     return hub.listing(repo, revision)
 
 
-def estimate_fit(spec: str, revision: str | None = None, context: int | None = None) -> Any:
+def estimate_fit(spec: str, revision: str | None = None, context: int | None = None, cpu_moe: int | str = 0) -> Any:
     """Estimate the memory a Hub model needs before downloading it (GGUF header read remotely).
 
     Args:
         spec: `ORG/NAME[:QUANT|:FILE]`.
         revision: a branch, tag or commit.
         context: context size in tokens (default: the engines' default for this model).
+        cpu_moe: a mixture-of-experts model's layers whose expert weights stay in host memory
+            (--cpu-moe N, or "all"): they count toward RAM, not the GPU.
 
     Returns:
         localrun.fit.FitEstimate: weights, KV cache, buffers, and verdict "gpu", "ram" or "none".
@@ -549,7 +565,7 @@ def estimate_fit(spec: str, revision: str | None = None, context: int | None = N
     """
     from localrun import hub
 
-    return hub.estimate_fit(hub.plan(spec, revision), context)
+    return hub.estimate_fit(hub.plan(spec, revision), context, cpu_moe)
 
 
 def pull(

@@ -23,7 +23,7 @@ from typing import Any
 from localrun.backends.base import Cancel, Session
 from localrun.errors import LocalrunError, StoreError, UsageError
 from localrun.generation import GenerationParams, Request
-from localrun.system import disk_full, mount_point
+from localrun.system import disk_full
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
@@ -352,8 +352,9 @@ class Writer:
     def _error(self, e: OSError, cut: bool) -> StoreError:
         kept = "the rows finished before are kept" + ("" if cut else "; the last line is torn (--resume removes it)")
         if (full := disk_full(e, Path(self.path).resolve().parent)) is not None:
-            disk = mount_point(Path(self.path).resolve().parent)
-            return StoreError(f"cannot write output file '{self.path}': {full} ({e.strerror}); {kept}",
+            disk, state = full
+            return StoreError(f"cannot write output file '{self.path}': the disk at {disk} is {state}"
+                              f" ({e.strerror}); {kept}",
                               f"free some space on {disk}, then run the same command with --resume to finish")
         return StoreError(f"cannot write output file '{self.path}': {e.strerror or e}; {kept}",
                           "run the same command with --resume once the file can be written")

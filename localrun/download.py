@@ -162,6 +162,11 @@ def _wait(seconds: float, cancel: Cancel | None) -> None:
         time.sleep(min(left, 0.1))
 
 
+def partial_path(dest: Path) -> Path:
+    """Where fetch keeps the bytes of dest downloaded so far (huggingface_hub's name for it)."""
+    return dest.with_name(dest.name + ".incomplete")
+
+
 def fetch(
     blob: Blob,
     dest: Path,
@@ -179,7 +184,7 @@ def fetch(
     """
     import httpx2
 
-    part = dest.with_name(dest.name + ".incomplete")
+    part = partial_path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     f = open(part, "r+b" if part.exists() else "w+b", buffering=0)  # noqa: SIM115 - closed below
     hasher: _Hasher | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localrun.errors import BadModelFileError, HubError
-from localrun.modelfile import Experts
+from localrun.gguf_header import Experts
 
 FIRST_READ = 1 << 20  # the header of most GGUFs fits in 1 MiB; vocabularies can take several
 MAX_HEADER = 256 << 20
@@ -91,7 +91,7 @@ class FitEstimate:
 
 def read_remote_gguf(name: str, size: int, read_range: Callable[[int, int], bytes]) -> Any:
     """Parse a remote GGUF header from its first bytes, fetching more while the header runs past them."""
-    from localrun.modelfile import parse_gguf_header
+    from localrun.gguf_header import parse_gguf_header
 
     n = min(size, FIRST_READ)
     while True:
@@ -161,12 +161,12 @@ def default_context(shape: Shape, context: int | None) -> int:
 def parameters_from_gguf(meta: Any, weights: int | None = None) -> tuple[int, int | None, Experts | None]:
     """Parameters, active parameters (mixture-of-experts models) and experts from a GGUF header.
 
-    weights: the bytes of every part when the header is only the first part's of a split file;
-    the counts then grow in proportion."""
-    from localrun.modelfile import experts_of
+    weights: the bytes of every weights file; when they exceed the header's file (it is only the first
+    part's of a split file), the counts grow in proportion."""
+    from localrun.gguf_header import experts_of
 
-    experts = experts_of([meta])
     scale = weights / meta.size if weights and meta.size and weights > meta.size else 1.0
+    experts = experts_of([meta], complete=scale == 1.0)
     total = round(meta.parameters * scale)
     return total, round(experts.active_parameters * scale) if experts else None, experts
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun.download import Blob, Cancel, Progress, ProgressFn, fetch, hash_file
+from localrun.download import Blob, Cancel, Progress, ProgressFn, fetch, hash_file, partial_path
 from localrun.errors import HubError, UsageError
 from localrun.fit import FitEstimate
 from localrun.repofiles import RepoFile, default_name, detect_quant, select, split_of
 from localrun.store import ModelInfo, Store, hf_cache_dir
-from localrun.system import disk_full, mount_point
+from localrun.system import disk_full
 
 NoticeFn = Callable[[str], None]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -339,8 +339,9 @@ def read_range(repo: str, commit: str, path: str) -> Callable[[int, int], bytes]
     return read
 
 
-def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
-    """Memory the planned model needs at `context` tokens, and whether this machine has it."""
+def estimate_fit(p: PullPlan, context: int | None = None, cpu_moe: int | str = 0) -> FitEstimate:
+    """Memory the planned model needs at `context` tokens, and whether this machine has it; with
+    cpu_moe (--cpu-moe N or 'all') the expert weights of those layers count toward host memory."""
     import json
 
     from localrun import fit
@@ -353,14 +354,14 @@ def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
     if p.format == "gguf":
         first = p.files[0]
         if local.exists():
-            from localrun.modelfile import read_gguf
+            from localrun.gguf_header import read_gguf
 
             meta = read_gguf(local)
         else:
             fit.check_header_size(first.size, first.path)
             meta = fit.read_remote_gguf(first.path, first.size, read_range(p.repo, p.commit, first.path))
         shape = fit.shape_from_gguf(meta)
-        parameters, active, experts = fit.parameters_from_gguf(meta, weights if sum(f.is_weights for f in p.files) > 1 else None)
+        parameters, active, experts = fit.parameters_from_gguf(meta, weights)
     else:
         if (local / "config.json").exists():
             raw = (local / "config.json").read_bytes()
@@ -371,7 +372,8 @@ def estimate_fit(p: PullPlan, context: int | None = None) -> FitEstimate:
             shape = fit.shape_from_config(json.loads(raw))
         except ValueError as e:
             raise HubError(f"the config.json of '{p.repo}' is not valid JSON: {e}") from e
-    return fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context, parameters, active, experts)
+    return fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context, parameters, active, experts,
+                        cpu_moe)
 
 
 # -- pull -----------------------------------------------------------------------------------------
@@ -396,7 +398,7 @@ def _check_disk(p: PullPlan, blobs: Path) -> None:
     for f in p.files:
         blob = blobs / (f.sha256 or f.blob_id or "")
         if not blob.exists():
-            part = blob.with_name(blob.name + ".incomplete")
+            part = partial_path(blob)
             missing += f.size - (part.stat().st_size if part.exists() else 0)
     probe = blobs
     while not probe.exists():
@@ -469,12 +471,13 @@ def download(p: PullPlan, progress: ProgressFn | None = None, cancel: Cancel | N
             except OSError as e:
                 if (full := disk_full(e, blobs)) is None:
                     raise
-                part = dest.with_name(dest.name + ".incomplete")
+                disk, state = full
+                part = partial_path(dest)
                 kept = part.stat().st_size if part.exists() else 0
                 raise HubError(
-                    f"cannot download '{f.path}' of '{p.repo}': {full}; {kept} of {f.size} bytes are kept"
-                    " and nothing was installed",
-                    f"free some space on {mount_point(blobs)} (or set HF_HUB_CACHE to a larger disk),"
+                    f"cannot download '{f.path}' of '{p.repo}': the disk at {disk} is {state}; {kept} of {f.size}"
+                    " bytes are kept and nothing was installed",
+                    f"free some space on {disk} (or set HF_HUB_CACHE to a larger disk),"
                     " then run the same pull again: it resumes where it stopped",
                 ) from e
     # Only now, with every file complete and verified, does the model appear in the snapshot.

@@ -171,7 +171,7 @@ def _reference(source: Path, out_dir: Path, steps: Steps, say: Callable[[str], N
             say(f"converting {source} to F16")
             steps.convert(source, ref)
         return ref
-    from localrun.modelfile import read_gguf
+    from localrun.gguf_header import read_gguf
 
     quant = (read_gguf(source).quantization or "").upper()
     if quant not in ("F32", "F16", "BF16", "ALL_F32", "MOSTLY_F16", "MOSTLY_BF16"):
@@ -214,7 +214,7 @@ def _rung(t: str, source: Path, reference: Path, out_dir: Path, text: Path, imat
     say("benchmarking")
     pp, tg = steps.bench(path)
     name = steps.register(path, t)
-    from localrun.modelfile import read_gguf
+    from localrun.gguf_header import read_gguf
 
     meta = read_gguf(path)
     size = path.stat().st_size

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from localrun.errors import ConversionError, UsageError
-from localrun.store import ModelInfo, Store, normalize_name
+from localrun.store import ModelInfo, Store, normalize_name, safetensors_header
 
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -146,19 +146,9 @@ _FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 def _fused_expert_files(src: Path, cfg: dict[str, Any]) -> set[str]:
     """The safetensors files of a gpt-oss checkpoint that hold experts in transformers' layout."""
-    import json
-    import struct
-
     if cfg.get("model_type") != "gpt_oss":
         return set()
-    out = set()
-    for f in src.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            names = json.loads(fh.read(n))
-        if any(k.endswith(_FUSED_EXPERTS) for k in names):
-            out.add(f.name)
-    return out
+    return {f.name for f in src.glob("*.safetensors") if any(k.endswith(_FUSED_EXPERTS) for k in safetensors_header(f))}
 
 
 def _unfuse(src: Path, dst: Path) -> dict[str, str]:

@@ -144,18 +144,22 @@ def detect_format(path: Path) -> str:
 
 def _saved_by_mlx(folder: Path) -> bool:
     """Whether the folder's first safetensors file says format "mlx" in its header (mlx-lm writes that)."""
+    first = next(iter(sorted(folder.glob("*.safetensors"))), None)
+    return first is not None and (safetensors_header(first).get("__metadata__") or {}).get("format") == "mlx"
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's JSON header (tensor names to dtype/shape/offsets, and __metadata__);
+    {} when it cannot be read."""
     import struct
 
-    first = next(iter(sorted(folder.glob("*.safetensors"))), None)
-    if first is None:
-        return False
     try:
-        with open(first, "rb") as f:
+        with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n)) if 0 < n < 1 << 24 else {}
     except (OSError, ValueError, struct.error):
-        return False
-    return isinstance(header, dict) and (header.get("__metadata__") or {}).get("format") == "mlx"
+        return {}
+    return header if isinstance(header, dict) else {}
 
 
 # Parsed headers by path, valid while (size, mtime) match: shared by every Store of the process,
@@ -367,7 +371,7 @@ class Store:
         p = Path(os.path.abspath(Path(path).expanduser()))
         fmt = detect_format(p)
         if fmt == "gguf" and p.is_file():
-            from localrun.modelfile import read_gguf
+            from localrun.gguf_header import read_gguf
 
             read_gguf(p)  # refuse a broken file now rather than at run time
         new_name = normalize_name(name) if name else name_from_filename(p)
@@ -485,15 +489,13 @@ def split_parts(path: Path) -> list[Path]:
 
 def _read_info(path: str, fmt: str) -> ModelInfo:
     if fmt == "gguf":
-        from localrun.modelfile import read_gguf
+        from localrun.gguf_header import experts_of, read_gguf
 
         meta = read_gguf(path)
-        size, parameters = meta.size, meta.parameters
-        for part in split_parts(Path(path))[1:]:
-            extra = read_gguf(part, whole_model=False)  # a missing or broken part is an error now, not at run time
-            size += extra.size
-            parameters += extra.parameters
-        details = {
+        # a missing or broken part is an error now, not at run time
+        metas = [meta, *(read_gguf(part, whole_model=False) for part in split_parts(Path(path))[1:])]
+        size, parameters = sum(m.size for m in metas), sum(m.parameters for m in metas)
+        details: dict[str, Any] = {
             "metadata": meta.summary(),
             "chat_template": meta.chat_template,
             "tokenizer": meta.metadata.get("tokenizer.ggml.model"),
@@ -503,6 +505,9 @@ def _read_info(path: str, fmt: str) -> ModelInfo:
             "tensors": len(meta.tensors),
             "gguf_version": meta.version,
         }
+        experts = experts_of(metas)
+        if experts is not None:  # read by show and by --cpu-moe's overrides, without parsing the parts again
+            details["experts"] = experts.to_dict()
         kind = "adapter" if meta.metadata.get("general.type") == "adapter" else "model"
         return ModelInfo(
             "", path, fmt, "", size, meta.architecture, parameters, meta.quantization,

@@ -24,12 +24,12 @@ def mount_point(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def disk_full(e: BaseException, path: str | os.PathLike[str]) -> str | None:
-    """For a write that failed because its disk is full (or over quota): "the disk at X is full"."""
+def disk_full(e: BaseException, path: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """For a write to path that failed because its disk is full or over quota: (the disk's mount
+    point, "full" or "over its quota"); None for any other error."""
     if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return None
-    state = "full" if e.errno == errno.ENOSPC else "over its quota"
-    return f"the disk at {mount_point(path)} is {state}"
+    return mount_point(path), "full" if e.errno == errno.ENOSPC else "over its quota"
 
 
 def ram_bytes() -> tuple[int | None, int | None]:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localrun.errors import BadModelFileError
-from localrun.modelfile import GGUFMeta, parse_gguf_header, read_gguf
+from localrun.gguf_header import GGUFMeta, parse_gguf_header, read_gguf
 
 from . import reliability
 from .conftest import STORIES, assets_or_skip

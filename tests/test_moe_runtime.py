@@ -9,8 +9,6 @@ converted by llama.cpp's own convert_hf_to_gguf.py, so that the file is what lla
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +17,11 @@ import pytest
 
 from localrun import api
 from localrun.errors import UsageError
-from localrun.format import count as human_count
 from localrun.generation import GenerationParams, LoadOptions, Request
-from localrun.modelfile import Experts, experts_of, read_experts, read_gguf
+from localrun.gguf_header import Experts, experts_of, model_experts, read_gguf
+from localrun.units import count as human_count
 from tests.convert.convert_helpers import (
+    convert_reference,
     converter_cache,
     llama_cpp_converter_dir,
     need_asset,
@@ -63,10 +62,7 @@ def moe_file(tmp_path_factory: pytest.TempPathFactory) -> MoeFile:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     out = root / "tiny-moe-F32.gguf"
-    converter = llama_cpp_converter_dir(converter_cache()) / "convert_hf_to_gguf.py"
-    proc = subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32", "--outfile", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    convert_reference(llama_cpp_converter_dir(converter_cache()), folder, out, "f32")
     return MoeFile(out, sum(p.numel() for p in model.parameters()),
                    sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name))
 
@@ -188,8 +184,8 @@ def _machine(monkeypatch: pytest.MonkeyPatch, gpu: int | None, ram: int) -> None
 def _big_moe() -> Experts:
     """A 48-layer, 128-expert model with 0.3 GiB of expert weights per layer (14.4 GiB)."""
     layer = 3 * GB // 10
-    return Experts(count=128, used=8, shared=0, layers=48, parameters=30_000_000_000,
-                   active_parameters=3_000_000_000, tensor_bytes=16 * GB, layer_bytes=dict.fromkeys(range(48), layer))
+    return Experts(count=128, used=8, shared=0, layers=48, active_parameters=3_000_000_000,
+                   layer_bytes=dict.fromkeys(range(48), layer))
 
 
 def test_fit_puts_the_expert_bytes_of_cpu_moe_layers_in_ram(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,15 +230,27 @@ def test_fit_counts_active_parameters_from_the_gguf_header(moe_file: MoeFile) ->
     assert experts is not None and (experts.count, experts.used, experts.layers) == (4, 2, 2)
     assert total == moe_file.parameters and active == total - moe_file.expert_elements // 2
     assert experts.host_bytes(1) == experts.layer_bytes[0] == moe_file.expert_elements * 4 // 2
-    assert read_experts(moe_gguf) == experts_of([meta])
+    # The store reads every part's header once; show and --cpu-moe read its details.
+    assert model_experts(api.add_model(moe_gguf, name=NAME).details) == experts_of([meta]) == experts
     # Only the first part's header read (a split file): counts scale with the weights' bytes, and
     # a layer the header did not list counts as the mean of those it did.
     total2, active2, _ = fit.parameters_from_gguf(meta, 2 * meta.size)
     assert (total2, active2) == (2 * total, 2 * active)
-    half = Experts(4, 2, 0, 4, 0, 0, 0, {0: 100, 1: 300})
+    half = Experts(4, 2, 0, 4, 0, {0: 100, 1: 300}, complete=False)
     assert half.host_bytes(3) == 100 + 300 + 200 and half.host_bytes("all") == 800
     # A dense model has no experts.
     assert fit.parameters_from_gguf(read_gguf(need_asset("models", "stories260K.gguf")), 1)[1:] == (None, None)
+
+
+def test_a_dense_layer_keeps_no_expert_bytes_in_ram() -> None:
+    # DeepSeek and GLM begin with dense layers: every part read, a layer without expert tensors is 0 bytes.
+    dense_first = Experts(64, 6, 1, 4, 0, {1: 100, 2: 100, 3: 100})
+    assert dense_first.host_bytes(1) == 0 and dense_first.host_bytes(2) == 100
+    assert dense_first.host_bytes("all") == dense_first.expert_bytes == 300
+    # Only the first part's header read: a gap before its last layer is dense, layers after it unread.
+    partial = Experts(64, 6, 1, 6, 0, {1: 100, 2: 300}, complete=False)
+    assert partial.host_bytes(3) == 400 and partial.host_bytes("all") == 400 + 3 * 200
+    assert Experts.from_dict(json.loads(json.dumps(partial.to_dict()))) == partial
 
 
 @pytest.fixture
@@ -276,3 +284,18 @@ def test_pull_check_shows_active_parameters_and_experts(moe_hub: str, moe_file: 
     text = cli("pull", "--check", moe_hub).stdout
     assert f"{human_count(total)} ({human_count(est['active_parameters'])} active)" in text
     assert "4 (2 active per token)" in text
+
+
+def test_pull_check_places_the_experts_of_cpu_moe_layers_in_ram(moe_hub: str, moe_file: MoeFile, cli) -> None:  # noqa: ANN001
+    layer = moe_file.expert_elements * 4 // 2  # F32 bytes of one layer's experts
+    for flag, layers, host in (("1", 1, layer), ("all", 2, 2 * layer)):
+        res = cli("pull", "--check", moe_hub, "--cpu-moe", flag, "--json")
+        assert res.returncode == 0, res.stderr
+        est = json.loads(res.stdout)
+        assert (est["cpu_moe_layers"], est["host_bytes"]) == (layers, host), flag
+        assert est["device_bytes"] == est["total_bytes"] - host
+    text = cli("pull", "--check", moe_hub, "--cpu-moe", "1").stdout
+    assert "expert weights in RAM (--cpu-moe 1)" in text
+    assert cli("pull", "--check", moe_hub, "--json").stdout.count('"host_bytes": 0') == 1
+    bad = cli("pull", "--check", moe_hub, "--cpu-moe", "some")
+    assert bad.returncode == 2 and "expected 'all' or a number" in bad.stderr

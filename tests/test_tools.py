@@ -97,7 +97,7 @@ def test_detect_format(stem: str) -> None:
 
 
 def test_detect_format_without_tool_syntax(starter: Path) -> None:
-    from localrun.modelfile import read_gguf
+    from localrun.gguf_header import read_gguf
 
     assert tools.detect_format(None).name == "generic"
     assert tools.detect_format(read_gguf(starter).chat_template).name == "generic"
@@ -122,7 +122,7 @@ def test_prepared_history_renders_where_the_template_has_no_tools(stem: str) -> 
 
 
 def test_generic_prepare_on_chatml(starter: Path) -> None:
-    from localrun.modelfile import read_gguf
+    from localrun.gguf_header import read_gguf
 
     source = read_gguf(starter).chat_template
     assert source is not None

@@ -640,9 +640,9 @@ def _cpu_moe_overrides(ll: Any, model: ModelInfo, cpu_moe: int | str) -> tuple[A
     Raises UsageError for a model without experts.
     """
     from localrun.errors import UsageError
-    from localrun.modelfile import EXPERT_TENSORS, read_experts
+    from localrun.gguf_header import EXPERT_TENSORS, model_experts
 
-    experts = read_experts(model.path)
+    experts = model_experts(model.details)
     if experts is None:
         raise UsageError(f"--cpu-moe: '{model.name}' is not a mixture-of-experts model (it has no expert tensors)",
                          "drop --cpu-moe; --gpu-layers N keeps whole layers off the GPU instead")

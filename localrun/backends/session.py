@@ -53,7 +53,9 @@ class WorkerSession:
         self._ids = itertools.count(1)
         self._dead: EngineCrashedError | None = None
         self.stats = (0, 0)  # prompt and completion tokens evaluated, as the worker last reported
-        self.chan.send({"op": "load", "i": 0, "backend": backend, "model": model.to_dict(), "options": options.to_dict()})
+        # the experts the store read from the model's headers (--cpu-moe's overrides), so the worker parses none
+        sent = {**model.to_dict(), "details": {k: v for k, v in model.details.items() if k == "experts"}}
+        self.chan.send({"op": "load", "i": 0, "backend": backend, "model": sent, "options": options.to_dict()})
         msg = None
         while msg is None:
             msg = self.chan.recv()

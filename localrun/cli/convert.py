@@ -128,16 +128,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "mlx" or args.q_bits is not None:
         return _convert_mlx(args)
     lora = [_lora_spec(s) for s in args.lora]
-    output, name = args.output, None
-    if not args.dry_run and not args.no_register:
-        # Plan first: a name another model holds fails now, not after the file is written.
-        planned = api.convert_checkpoint(args.src, output, outtype=args.outtype, imatrix=args.imatrix,
-                                         force=args.force, dry_run=True, lora=lora)
-        output = planned.path
-        name = api.conversion_name(output, args.src, planned.plan.outtype, name=args.name, replace=args.force)
+    names: list[str] = []
+
+    def choose_name(planned: Any) -> None:
+        # Once planned, before writing: a name another model holds fails now, not after the work.
+        if not args.no_register:
+            names.append(api.conversion_name(planned.path, args.src, planned.plan.outtype, name=args.name,
+                                             replace=args.force))
+
     progress = None if args.dry_run else _convert_module().StderrProgress()
-    res = api.convert_checkpoint(args.src, output, outtype=args.outtype, imatrix=args.imatrix,
-                                 force=args.force, dry_run=args.dry_run, progress=progress, lora=lora)
+    res = api.convert_checkpoint(args.src, args.output, outtype=args.outtype, imatrix=args.imatrix,
+                                 force=args.force, dry_run=args.dry_run, progress=progress, lora=lora,
+                                 before_write=choose_name)
     if args.dry_run:
         print(res.plan.describe())
         return 0
@@ -145,8 +147,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {res.path} ({res.path.stat().st_size / 1e9:.2f} GB) in {res.seconds:.1f}s",
         file=sys.stderr,
     )
-    if name is not None:
-        _register(res.path, name, replace=args.force and args.name is not None,
+    if names:
+        _register(res.path, names[0], replace=args.force and args.name is not None,
                   converted_from=None if lora else args.src)
     print(res.path)
     return 0

@@ -16,7 +16,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Report Python and package versions, the llama.cpp build (CPU features, CUDA/Metal, GPU
     offload), GPUs and free memory, RAM, and which engines are available."""
     from localrun import api
-    from localrun.format import size as human_size
+    from localrun.units import size as human_size
 
     report = api.doctor()
     if args.json:

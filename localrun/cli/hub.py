@@ -8,8 +8,10 @@ import sys
 from typing import Any
 
 from localrun.cli.models import _table
-from localrun.format import count as human_count
-from localrun.format import size as human_size
+from localrun.cli.options import cpu_moe_layers
+from localrun.units import count as human_count
+from localrun.units import experts as experts_text
+from localrun.units import size as human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check", action="store_true",
                    help="estimate the memory needed and stop, downloading nothing (exit 3: will not fit)")
     p.add_argument("--ctx", type=int, help="context size for the memory estimate (default: the engines' default)")
+    p.add_argument("--cpu-moe", type=cpu_moe_layers, default=0, metavar="N|all",
+                   help="with --check: a mixture-of-experts model's expert weights of the first N layers (all: "
+                        "every layer) stay in RAM, as 'run --cpu-moe N' keeps them")
     p.add_argument("--json", action="store_true", help="print the installed model (or the estimate) as JSON")
     p.set_defaults(func=cmd_pull)
 
@@ -89,7 +94,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from localrun.errors import CancelledError
 
     if args.check:
-        est = api.estimate_fit(args.model, revision=args.revision, context=args.ctx)
+        est = api.estimate_fit(args.model, revision=args.revision, context=args.ctx, cpu_moe=args.cpu_moe)
         if args.json:
             print(json.dumps(est.to_dict(), indent=2))
         else:
@@ -148,9 +153,8 @@ def _parameter_rows(est: Any) -> list[tuple[str, str]]:
     if est.active_parameters is None or est.experts is None:
         return [("parameters", params)]
     e = est.experts
-    shared = f", {e.shared} shared" if e.shared else ""
     return [("parameters", f"{params} ({human_count(est.active_parameters)} active)"),
-            ("experts", f"{e.count} ({e.used} active per token{shared}), {human_size(e.expert_bytes)} of weights")]
+            ("experts", f"{experts_text(e.count, e.used, e.shared)}, {human_size(e.expert_bytes)} of weights")]
 
 
 class _Bars:

@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
-from localrun.format import count as human_count
-from localrun.format import size as human_size
+from localrun.units import count as human_count
+from localrun.units import experts as experts_text
+from localrun.units import size as human_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +79,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.template:
         print(m.details.get("chat_template") or "")
         return 0
-    experts = _experts(m)
+    from localrun.gguf_header import model_experts
+
+    experts = model_experts(m.details)
     if args.json:
         out = m.to_dict(with_details=True)
         if experts is not None:
@@ -93,8 +96,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     rows: list[tuple[str, Any]] = [
         ("name", m.name), ("path", m.path), ("format", m.format), ("source", m.source),
         ("architecture", m.architecture), ("parameters", params),
-        ("experts", f"{experts.count} ({experts.used} active per token"
-                    f"{f', {experts.shared} shared' if experts.shared else ''})" if experts else None),
+        ("experts", experts_text(experts.count, experts.used, experts.shared) if experts else None),
         ("quantization", m.quantization), ("size", human_size(m.size)), ("context length", m.context_length),
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
@@ -124,16 +126,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("\nchat template")
         print("  " + d["chat_template"].replace("\n", "\n  "))
     return 0
-
-
-def _experts(m: Any) -> Any:
-    """The experts of a mixture-of-experts GGUF (its header says {arch}.expert_count), else None."""
-    meta = m.details.get("metadata") or {}
-    if m.format != "gguf" or not meta.get(f"{m.architecture}.expert_count"):
-        return None
-    from localrun.modelfile import read_experts
-
-    return read_experts(m.path)
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -40,7 +40,8 @@ def _gpu_layers(value: str) -> int | str:
     return n
 
 
-def _cpu_moe(value: str) -> int | str:
+def cpu_moe_layers(value: str) -> int | str:
+    """--cpu-moe's value: a number of layers, or 'all'."""
     if value == "all":
         return value
     try:
@@ -159,7 +160,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
                    help="layers to offload to the GPU (default auto: all that fit)")
     g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
-    g.add_argument("--cpu-moe", type=_cpu_moe, default=0, metavar="N|all",
+    g.add_argument("--cpu-moe", type=cpu_moe_layers, default=0, metavar="N|all",
                    help="mixture-of-experts models: keep the expert weights of the first N layers (all: every "
                         "layer) in CPU memory, so that a model larger than the GPU runs (llama.cpp only; "
                         "an error on a model without experts)")
@@ -176,7 +177,8 @@ def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any
 
     target = api.resolve_target(args.model, getattr(args, "lora", None) or ())
     chosen = api.choose_engine(target.model, engine if engine is not None else getattr(args, "engine", None))
-    _check_cpu_moe(args, chosen)
+    if chosen != getattr(args, "engine", None):  # load_options_from_args checked the engine --engine forces
+        _check_cpu_moe(args, chosen)
     return target, chosen
 
 

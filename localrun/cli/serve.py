@@ -206,7 +206,7 @@ def _error_text(e: Any) -> str:
 
 
 def _print_table(models: list[dict[str, Any]]) -> None:
-    from localrun import format as fmt
+    from localrun import units as fmt
 
     rows = [("NAME", "SIZE", "CONTEXT", "UNTIL")]
     for m in models:
@@ -222,7 +222,7 @@ def _until(stamp: str | None) -> str:
     import re
     from datetime import datetime, timezone
 
-    from localrun import format as fmt
+    from localrun import units as fmt
 
     if not stamp:
         return "-"

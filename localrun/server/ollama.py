@@ -17,7 +17,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from localrun import api
-from localrun import format as fmt
+from localrun import units as fmt
 from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError

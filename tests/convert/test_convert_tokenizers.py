@@ -249,7 +249,7 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, tmp_path: Path) -> None:
     from gguf import GGUFReader
 
-    from localrun.modelfile import read_gguf
+    from localrun.gguf_header import read_gguf
 
     out = convert.convert(smollm2_export, tmp_path / "m.gguf", outtype="f16").path
     fields = GGUFReader(out).fields

@@ -29,7 +29,7 @@ from textual.widgets import (
 
 from localrun import api
 from localrun.errors import LocalrunError
-from localrun.format import duration, size
+from localrun.units import duration, size
 from tui.messages import ModelsChanged
 from tui.widgets.ladder import LadderPlot, fill_table
 from tui.widgets.navbar import NavBar

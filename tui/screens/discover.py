@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from localrun import api
 from localrun.errors import CancelledError, LocalrunError
-from localrun.format import duration, size
+from localrun.units import duration, size
 from tui.messages import ModelsChanged
 from tui.widgets.navbar import NavBar
 

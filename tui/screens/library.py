@@ -13,8 +13,8 @@ from textual.widgets import DataTable, Footer, Static
 
 from localrun import api
 from localrun.errors import LocalrunError
-from localrun.format import count, size
 from localrun.store import ModelInfo
+from localrun.units import count, size
 from tui.messages import ModelsChanged
 from tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from tui.widgets.navbar import NavBar

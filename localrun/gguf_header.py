@@ -104,10 +104,9 @@ class Experts:
     used: int  # experts each token goes through ({arch}.expert_used_count)
     shared: int  # shared experts every token goes through ({arch}.expert_shared_count; 0: none)
     layers: int  # the model's layers ({arch}.block_count)
-    parameters: int  # every tensor's elements
     active_parameters: int  # what one token goes through: `used` of `count` experts, all the rest
-    tensor_bytes: int  # every tensor's bytes (less than the file's weights when parts were not read)
     layer_bytes: dict[int, int] = field(repr=False)  # the expert tensors' bytes per layer
+    complete: bool = True  # every part's header was read (False: only the first part's of a split file)
 
     @property
     def expert_bytes(self) -> int:
@@ -118,17 +117,38 @@ class Experts:
         return self.layers if cpu_moe == "all" else min(int(cpu_moe), self.layers)
 
     def host_bytes(self, cpu_moe: int | str) -> int:
-        """The expert bytes of the layers --cpu-moe keeps in host memory; a layer whose tensors the
-        header did not list (a later part of a split file) counts as the mean of those it did."""
+        """The expert bytes of the layers --cpu-moe keeps in host memory. A layer without expert
+        tensors is a dense one (0 bytes), unless the header was incomplete and the layer comes after
+        every layer it listed (a later part of a split file): that counts as the mean of those listed."""
         n = self.cpu_layers(cpu_moe)
         if n <= 0 or not self.layer_bytes:
             return 0
-        mean = self.expert_bytes // len(self.layer_bytes)
-        return sum(self.layer_bytes.get(i, mean) for i in range(n))
+        last = max(self.layer_bytes)
+        unread = 0 if self.complete else self.expert_bytes // len(self.layer_bytes)
+        return sum(self.layer_bytes.get(i, unread if i > last else 0) for i in range(n))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (a model's details["experts"] in the store); from_dict reads it back."""
+        return {"count": self.count, "used": self.used, "shared": self.shared, "layers": self.layers,
+                "active_parameters": self.active_parameters,
+                "layer_bytes": {str(k): v for k, v in self.layer_bytes.items()}, "complete": self.complete}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Experts:
+        return cls(int(d["count"]), int(d["used"]), int(d["shared"]), int(d["layers"]), int(d["active_parameters"]),
+                   {int(k): int(v) for k, v in d["layer_bytes"].items()}, bool(d.get("complete", True)))
 
 
-def experts_of(metas: list[GGUFMeta]) -> Experts | None:
-    """The experts of a mixture-of-experts model (its GGUF parts, first part first), or None."""
+def model_experts(details: dict[str, Any]) -> Experts | None:
+    """The experts an installed model's details hold (the store reads them from every part), or None."""
+    d = details.get("experts")
+    return Experts.from_dict(d) if isinstance(d, dict) else None
+
+
+def experts_of(metas: list[GGUFMeta], complete: bool = True) -> Experts | None:
+    """The experts of a mixture-of-experts model (its GGUF parts, first part first), or None.
+
+    complete=False: metas are not every part (the first part's header of a split file)."""
     first = metas[0]
 
     def num(key: str) -> int:
@@ -136,11 +156,10 @@ def experts_of(metas: list[GGUFMeta]) -> Experts | None:
         return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
     count = num("expert_count")
-    tensors = [t for m in metas for t in m.tensors]
     layer_bytes: dict[int, int] = {}
     active = 0
     used = min(num("expert_used_count") or count, count)
-    for t in tensors:
+    for t in (t for m in metas for t in m.tensors):
         match = _EXPERT_TENSOR.search(t.name)
         if match and count > 0:
             layer = int(match.group(1))
@@ -151,15 +170,7 @@ def experts_of(metas: list[GGUFMeta]) -> Experts | None:
     if count <= 0 or not layer_bytes:
         return None
     return Experts(count, used, num("expert_shared_count"), num("block_count") or max(layer_bytes) + 1,
-                   sum(t.n_elements for t in tensors), active, sum(t.n_bytes for t in tensors), layer_bytes)
-
-
-def read_experts(path: str | os.PathLike[str]) -> Experts | None:
-    """The experts of the GGUF model at path (every part of a split file), or None if it has none."""
-    from localrun.store import split_parts
-
-    parts = split_parts(Path(path))
-    return experts_of([read_gguf(parts[0])] + [read_gguf(p, whole_model=False) for p in parts[1:]])
+                   active, layer_bytes, complete)
 
 
 def _safe(text: str) -> str:

@@ -26,6 +26,11 @@ def count(n: int | None) -> str:
     return str(n)
 
 
+def experts(count: int, used: int, shared: int = 0) -> str:
+    """A mixture-of-experts layer as '128 (8 active per token, 1 shared)'."""
+    return f"{count} ({used} active per token{f', {shared} shared' if shared else ''})"
+
+
 def duration(seconds: float | None) -> str:
     """Seconds as '1m05s'; '-' when unknown."""
     if seconds is None or seconds < 0:

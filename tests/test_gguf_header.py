@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from localrun.errors import BadModelFileError, LocalrunError
-from localrun.modelfile import read_gguf
+from localrun.gguf_header import read_gguf
 
 from .ggufs import rewrite_gguf, without_byte_tokens
 
