@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -33,6 +34,12 @@ LOGIT_TEXT = MIXED_TEXT + (
     "Les élèves ont étudié l'histoire de l'Égypte ancienne pendant 3 semaines.\n"
     "データを読み込んで、結果を表示します。 数字: 3.14159, 2.71828; 😀😃😄 — the end."
 )
+
+# Top-1 agreement a file must reach on a model whose layers decide half the top-1s (make_layered):
+# measured f16 1.00, q8_0 0.97-1.00, q4_k_m 0.92; with one layer broken, 0.44-0.76.
+AGREEMENT = {"f16": 0.99, "q8_0": 0.95, "q4_k_m": 0.85}
+LAYER_SHARE = 0.5  # the share of positions whose top-1 the layers decide
+HUBS, HUB_SCALE = 64, 3.0  # frequent tokens and how much longer their embeddings are
 
 
 def need_asset(*parts: str) -> Path:
@@ -241,6 +248,11 @@ TOKENIZER_OF = {
 ARCHS = list(TOKENIZER_OF)
 
 
+# Parameters that make_checkpoint's gain= scales: attention output projections and the MoE
+# experts' down projections (fused "experts.down_proj", Mixtral's w2, Granite's output_linear).
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj", "w2.weight", "output_linear")
+
+
 def make_checkpoint(
     folder: Path,
     arch: str,
@@ -250,19 +262,28 @@ def make_checkpoint(
     shard_size: str | None = None,
     seed: int = 0,
     peaked: bool = False,
-    config: dict | None = None,
+    config=None,  # noqa: ANN001
+    tokenizer: str | None = None,
+    gain: float = 1.0,
 ):  # noqa: ANN201
     """A random-weight checkpoint in Hugging Face layout with a real tokenizer; returns the model.
 
-    config: keys that differ from the family's tiny config (another variant of the family).
+    config: keys that differ from the family's tiny config (another variant of the family), or a
+    factory config(tok, peaked) giving the whole config (for families _config does not know).
+    tokenizer: the tokenizer asset (default TOKENIZER_OF[arch]).
+    gain: factor on the OUTPUT_PROJECTIONS after randomize(), so that in a peaked model the layers
+    weigh more against the tied embeddings.
     """
     import torch
     import transformers as tf
 
-    tok = _tokenizer(TOKENIZER_OF[arch])
-    cfg = _config(arch, len(tok), tok.bos_token_id, tok.eos_token_id, peaked)
-    if config:
-        cfg = type(cfg)(**{**cfg.to_dict(), **config})
+    tok = _tokenizer(tokenizer or TOKENIZER_OF[arch])
+    if callable(config):
+        cfg = config(tok, peaked)
+    else:
+        cfg = _config(arch, len(tok), tok.bos_token_id, tok.eos_token_id, peaked)
+        if config:
+            cfg = type(cfg)(**{**cfg.to_dict(), **config})
     cfg._attn_implementation = "eager"
     if peaked:
         cfg.tie_word_embeddings = True
@@ -272,6 +293,11 @@ def make_checkpoint(
     if peaked:
         model.tie_weights()
     randomize(model, norm_center=0.0 if arch.startswith("gemma") else 1.0, seed=seed, peaked=peaked)
+    if gain != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(OUTPUT_PROJECTIONS):
+                    p.mul_(gain)
     model.eval()
     model = model.to(getattr(torch, dtype))
     kwargs = {}
@@ -302,6 +328,123 @@ def reference_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
     with torch.no_grad():
         m = model.float()
         return m(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def logit_ids(tok) -> list[int]:  # noqa: ANN001
+    """LOGIT_TEXT's token ids, after BOS where the tokenizer has one."""
+    ids = tok.encode(LOGIT_TEXT, add_special_tokens=False)
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+
+
+def assert_logits_close(got: np.ndarray, ref: np.ndarray) -> None:
+    """llama.cpp's float32 logits are transformers': same top-1 everywhere, within 1e-3 of the span."""
+    assert got.shape == ref.shape
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    span = float(ref.max() - ref.min())
+    assert float(np.abs(got - ref).max()) < 1e-3 * span
+
+
+def logits_and_routes(model, ids: list[int], n_used: int) -> tuple[np.ndarray, list[np.ndarray]]:  # noqa: ANN001
+    """transformers' float32 logits and, per layer, the n_used experts each position routes to."""
+    import torch
+
+    with torch.no_grad():
+        out = model.float()(torch.tensor([ids]), output_router_logits=True)
+    routes = [
+        r.float().topk(n_used, dim=-1).indices.sort(-1).values.numpy() for r in out.router_logits
+    ]
+    return out.logits[0].float().numpy(), routes
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """transformers' greedy continuation of ids, n tokens."""
+    import torch
+
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+# --- top-1 agreement on a model whose layers matter ----------------------------------------------
+
+
+def _layerless_top1(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    """Top-1 of the model with its decoder layers removed: what the embeddings alone predict."""
+    import torch
+
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    decoder.layers = torch.nn.ModuleList()
+    try:
+        return reference_logits(model, ids).argmax(-1)
+    finally:
+        decoder.layers = layers
+
+
+def layer_share(model, ids: list[int], layerless: np.ndarray | None = None) -> float:  # noqa: ANN001
+    """Share of positions where the layers change the top-1 that the embeddings alone give."""
+    if layerless is None:
+        layerless = _layerless_top1(model, ids)
+    return float((reference_logits(model, ids).argmax(-1) != layerless).mean())
+
+
+def make_layered(model, ids: list[int], seed: int = 0) -> float:  # noqa: ANN001
+    """Rescale a peaked model's tied embeddings so that the layers decide LAYER_SHARE of the top-1s.
+
+    A few frequent tokens get longer embeddings (as in trained models), so that where the layers
+    decide there is still a clear winner; the whole matrix is then scaled down until the layers
+    outweigh the embedding at half the positions (the pre-norms keep their outputs as they were).
+    Returns the share reached.
+    """
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    rng = np.random.default_rng(seed)
+    vocab = emb.shape[0]
+    hubs = rng.choice(np.setdiff1d(np.arange(vocab), ids), HUBS, replace=False)
+    with torch.no_grad():
+        emb[torch.from_numpy(hubs)] *= HUB_SCALE
+    base = emb.detach().clone()
+    layerless = _layerless_top1(model, ids)  # the final norm makes it independent of the scale
+    lo, hi = 0.1, 4.0
+    for _ in range(7):  # bisection: the share falls as the embedding grows
+        mid = (lo + hi) / 2
+        with torch.no_grad():
+            emb.copy_(base * mid)
+        if layer_share(model, ids, layerless) >= LAYER_SHARE:
+            lo = mid
+        else:
+            hi = mid
+    with torch.no_grad():
+        emb.copy_(base * lo)
+    return layer_share(model, ids, layerless)
+
+
+def top1_agreement(path: Path, ids: list[int], top1: np.ndarray) -> float:
+    """Share of positions where llama.cpp on the GGUF picks the reference's top-1."""
+    got = llama_probe(path, logits=[ids])["logits0"]
+    return float((got.argmax(-1) == top1).mean())
+
+
+def break_last_layer(src: Path, dst: Path) -> str:
+    """Copy src to dst with the last block's FFN output rows reversed (a wrong layout); returns it.
+
+    Of that block's FFN down tensors (a MoE block's ffn_down_exps, over all its experts, and a
+    shared expert's ffn_down_shexp) the largest is broken."""
+    shutil.copyfile(src, dst)
+    reader = GGUFReader(dst, "r+")
+    downs = [t for t in reader.tensors if ".ffn_down" in t.name]
+    last = max(int(t.name.split(".")[1]) for t in downs)
+    tensor = max(
+        (t for t in downs if int(t.name.split(".")[1]) == last), key=lambda t: int(t.n_elements)
+    )
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])
+    rows[...] = rows[::-1].copy()
+    reader.data.flush()
+    del reader
+    return tensor.name
 
 
 # --- llama.cpp's own converter, from the llama-cpp-python sdist on PyPI --------------------------
@@ -353,16 +496,24 @@ def converter_cache() -> Path:
     return Path(base)
 
 
-def gguf_tensors(r: GGUFReader) -> dict[str, tuple]:
-    """Each tensor of a GGUF file: (type, shape, bytes), by name."""
+def model_keys(r: GGUFReader) -> dict[str, object]:
+    """A file's model metadata (the vocabulary's is the tokenizer tests' business)."""
+    skip = ("GGUF.", "tokenizer.", "general.name")
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
+
+
+def gguf_tensors(r: GGUFReader | Path) -> dict[str, tuple]:
+    """Each tensor of a GGUF file (a reader or a path): (type, shape, bytes), by name."""
+    if not isinstance(r, GGUFReader):
+        r = GGUFReader(r)
     return {
         t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
         for t in r.tensors
     }
 
 
-def reference_gguf(converter_dir: Path, folder: Path, out: Path, outtype: str) -> GGUFReader:
-    """The file llama.cpp's own convert_hf_to_gguf.py makes of a checkpoint folder."""
+def convert_reference(converter_dir: Path, folder: Path, out: Path, outtype: str) -> Path:
+    """Convert a checkpoint folder with llama.cpp's own convert_hf_to_gguf.py; returns out."""
     proc = subprocess.run(
         [sys.executable, str(converter_dir / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
          "--outfile", str(out)],
@@ -371,4 +522,9 @@ def reference_gguf(converter_dir: Path, folder: Path, out: Path, outtype: str) -
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return GGUFReader(out)
+    return out
+
+
+def reference_gguf(converter_dir: Path, folder: Path, out: Path, outtype: str) -> GGUFReader:
+    """The file llama.cpp's own convert_hf_to_gguf.py makes of a checkpoint folder, read."""
+    return GGUFReader(convert_reference(converter_dir, folder, out, outtype))

@@ -16,12 +16,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import (
-    LOGIT_TEXT,
-    _tokenizer,
+    AGREEMENT,
+    LAYER_SHARE,
+    assert_logits_close,
+    break_last_layer,
     gguf_tensors,
+    greedy,
     llama_probe,
-    randomize,
+    logit_ids,
+    logits_and_routes,
+    make_checkpoint,
+    make_layered,
+    model_keys,
     reference_gguf,
+    reference_logits,
+    top1_agreement,
 )
 from gguf import GGMLQuantizationType, GGUFReader
 
@@ -70,26 +79,9 @@ def _config(tok, peaked: bool):  # noqa: ANN001, ANN202
 
 def build(folder: Path, *, peaked: bool = False):  # noqa: ANN201
     """A random-weight gpt-oss checkpoint in transformers 5's 16-bit layout."""
-    import torch
-    import transformers as tf
-
-    tok = _tokenizer("qwen3")
-    config = _config(tok, peaked)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    if peaked:
-        model.tie_weights()
-    randomize(model, seed=0, peaked=peaked)
-    if peaked:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj")):
-                    p.mul_(1.5)
-    model.eval()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return model, tok
+    return make_checkpoint(
+        folder, "gpt_oss", peaked=peaked, config=_config, tokenizer="qwen3", gain=1.5 if peaked else 1.0
+    )
 
 
 def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -165,21 +157,6 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return get
 
 
-def _ids(tok) -> list[int]:  # noqa: ANN001
-    return tok.encode(LOGIT_TEXT, add_special_tokens=False)
-
-
-def _logits_and_routes(model, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:  # noqa: ANN001
-    import torch
-
-    with torch.no_grad():
-        out = model.float()(torch.tensor([ids]), output_router_logits=True)
-    routes = [
-        r.float().topk(N_USED, dim=-1).indices.sort(-1).values.numpy() for r in out.router_logits
-    ]
-    return out.logits[0].float().numpy(), routes
-
-
 def _router_margin(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
     """Per position, the smallest gap (over layers) between the last chosen expert's router logit
     and the next one's: how near the routing is to taking another expert."""
@@ -194,37 +171,45 @@ def _router_margin(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
     return np.min(gaps, axis=0)
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
-    import torch
+@pytest.fixture(scope="module")
+def f16(gpt_oss, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """The plain checkpoint converted to F16 once, and its reader (a reader of a Qwen3-vocabulary
+    file takes seconds)."""
+    folder, _, _ = gpt_oss()
+    path = convert.convert(folder, tmp_path_factory.mktemp("gpt-oss-f16") / "m.gguf", outtype="f16").path
+    return path, GGUFReader(path)
 
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
 
-
-def _check_logits(got: np.ndarray, ref: np.ndarray) -> None:
-    assert got.shape == ref.shape
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
-    span = float(ref.max() - ref.min())
-    assert float(np.abs(got - ref).max()) < 1e-3 * span
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Once: a peaked checkpoint calibrated so that its layers decide LAYER_SHARE of the top-1s
+    (make_layered), its F16 file, the ids, transformers' top-1s and the share. A model of its own:
+    the MXFP4 tests keep the peaked one as it is."""
+    folder = tmp_path_factory.mktemp("gpt-oss-layered")
+    model, tok = build(folder, peaked=True)
+    ids = logit_ids(tok)
+    share = make_layered(model, ids)
+    model.save_pretrained(folder)
+    top1 = reference_logits(model, ids).argmax(-1)
+    out = tmp_path_factory.mktemp("gpt-oss-layered-f16") / "m.gguf"
+    return convert.convert(folder, out, outtype="f16", name="tiny").path, ids, top1, share
 
 
 def test_f32_logits_and_greedy_match_transformers(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
     folder, model, tok = gpt_oss()
-    ids = _ids(tok)
+    ids = logit_ids(tok)
     assert len(ids) > 20 * WINDOW  # the sliding layer's window matters at most positions
-    ref, routes = _logits_and_routes(model, ids)
+    ref, routes = logits_and_routes(model, ids, N_USED)
+    assert len(routes) == 2  # one per layer
     for layer in routes:
         _, counts = np.unique(layer, axis=0, return_counts=True)
         assert counts.max() <= len(ids) * 2 / 3, "most positions route to the same experts"
         assert len(set(layer.ravel().tolist())) >= N_EXPERT - 2, "most experts are never used"
     res = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny")
     prompt = ids[:12]
-    want = _greedy(model, prompt, 24)
+    want = greedy(model, prompt, 24)
     got = llama_probe(res.path, logits=[ids], generate={"ids": prompt, "n": 24})
-    _check_logits(got["logits0"], ref)
+    assert_logits_close(got["logits0"], ref)
     assert list(got["generated"]) == want
     assert len(set(want)) > 3
     shapes = {t.name: t.shape for t in res.plan.tensors}
@@ -234,20 +219,24 @@ def test_f32_logits_and_greedy_match_transformers(gpt_oss, tmp_path: Path) -> No
     assert shapes["blk.0.attn_sinks.weight"] == (4,)
 
 
-def test_f16_top1_agrees(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, model, tok = gpt_oss(peaked=True)
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", name="tiny").path
-    ids = _ids(tok)
-    ref, _ = _logits_and_routes(model, ids)
-    top1 = ref.argmax(-1)
+def test_f16_top1_agrees(layered) -> None:  # noqa: ANN001
+    out, ids, top1, share = layered
+    assert share >= LAYER_SHARE, "the layers must decide a good share of the predictions"
     assert (top1 != np.asarray(ids)).mean() >= 0.03, "the layers must decide some predictions"
-    got = llama_probe(out, logits=[ids])["logits0"]
-    assert (got.argmax(-1) == top1).mean() >= 0.99
+    agreement = top1_agreement(out, ids, top1)
+    assert agreement >= 0.99
+    assert agreement >= AGREEMENT["f16"]
 
 
-def test_metadata(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, _, _ = gpt_oss()
-    r = GGUFReader(convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path)
+def test_broken_layer_fails_the_agreement_check(layered, tmp_path: Path) -> None:  # noqa: ANN001
+    out, ids, top1, _ = layered
+    broken = tmp_path / "broken.gguf"
+    name = break_last_layer(out, broken)
+    assert top1_agreement(broken, ids, top1) < AGREEMENT["f16"], f"{name} reversed went unseen"
+
+
+def test_metadata(f16) -> None:  # noqa: ANN001
+    _, r = f16
     kv = {k: f.contents() for k, f in r.fields.items()}
     assert kv["general.architecture"] == "gpt-oss"
     assert kv["gpt-oss.expert_count"] == N_EXPERT
@@ -259,11 +248,11 @@ def test_metadata(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
     assert kv["gpt-oss.rope.scaling.original_context_length"] == 4096
 
 
-def test_from_module_matches_folder_conversion(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, model, tok = gpt_oss()
+def test_from_module_matches_folder_conversion(gpt_oss, f16, tmp_path: Path) -> None:  # noqa: ANN001
+    _, model, tok = gpt_oss()
     a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
-    b = convert.convert(folder, tmp_path / "disk.gguf", outtype="f16", name="m").path
-    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(GGUFReader(b))
+    _, disk = f16  # the folder's conversion (its name is metadata, not a tensor)
+    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(disk)
 
 
 def test_layer_pattern_llama_cpp_cannot_run_is_refused(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
@@ -277,20 +266,15 @@ def test_layer_pattern_llama_cpp_cannot_run_is_refused(gpt_oss, tmp_path: Path) 
         convert.convert(folder, dry_run=True)
 
 
-def _model_keys(r: GGUFReader) -> dict[str, object]:
-    skip = ("GGUF.", "tokenizer.", "general.name")
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
-
-
 @pytest.mark.slow
 def test_same_file_as_llama_cpp_converter(
-    gpt_oss, llama_cpp_converter: Path, tmp_path: Path
+    gpt_oss, f16, llama_cpp_converter: Path, tmp_path: Path
 ) -> None:  # noqa: ANN001
     src, _, _ = gpt_oss()
     ref = reference_gguf(llama_cpp_converter, src, tmp_path / "ref.gguf", "f16")
-    ours = GGUFReader(convert.convert(src, tmp_path / "ours.gguf", outtype="f16").path)
+    _, ours = f16  # convert.convert(src, outtype="f16")
     assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
-    assert _model_keys(ours) == _model_keys(ref)
+    assert model_keys(ours) == model_keys(ref)
 
 
 # --- MXFP4 experts (the published checkpoints) ---------------------------------------------------
@@ -309,7 +293,9 @@ def test_mxfp4_repack_keeps_the_source_bytes_and_values(mxfp4_checkpoint) -> Non
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     _, quantized, _ = mxfp4_checkpoint
-    for name in [k for k in quantized if k.endswith("_blocks")]:
+    names = [k for k in quantized if k.endswith("_blocks")]
+    assert len(names) == 4  # gate_up and down of each of the 2 layers
+    for name in names:
         blocks, scales = quantized[name], quantized[name.replace("_blocks", "_scales")]
         packed = mxfp4_repack(blocks, scales)
         assert packed.shape == (*scales.shape[:-1], scales.shape[-1] * 17)
@@ -332,7 +318,7 @@ def test_mxfp4_repack_keeps_the_source_bytes_and_values(mxfp4_checkpoint) -> Non
 def test_mxfp4_experts_stay_mxfp4(mxfp4_checkpoint, tmp_path: Path) -> None:  # noqa: ANN001
     folder, quantized, tok = mxfp4_checkpoint
     out = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny").path
-    tensors = {t.name: t for t in GGUFReader(out).tensors}
+    tensors = gguf_tensors(out)
     for bid in range(2):
         pre = f"model.layers.{bid}.mlp.experts"
         gate_up = (quantized[f"{pre}.gate_up_proj_blocks"], quantized[f"{pre}.gate_up_proj_scales"])
@@ -343,12 +329,12 @@ def test_mxfp4_experts_stay_mxfp4(mxfp4_checkpoint, tmp_path: Path) -> None:  # 
             "up": (gate_up[0][:, 1::2], gate_up[1][:, 1::2]),
             "down": down,
         }.items():
-            t = tensors[f"blk.{bid}.ffn_{kind}_exps.weight"]
-            assert t.tensor_type == GGMLQuantizationType.MXFP4
-            assert bytes(t.data) == mxfp4_repack(b, sc).tobytes()
-    ids = _ids(tok)
+            tensor_type, _, data = tensors[f"blk.{bid}.ffn_{kind}_exps.weight"]
+            assert tensor_type == GGMLQuantizationType.MXFP4
+            assert data == mxfp4_repack(b, sc).tobytes()
+    ids = logit_ids(tok)
     model = _dequantized(folder)
-    ref, _ = _logits_and_routes(model, ids)
+    ref, _ = logits_and_routes(model, ids, N_USED)
     top1 = ref.argmax(-1)
     assert (top1 != np.asarray(ids)).mean() >= 0.03, "the layers must decide some predictions"
     # llama.cpp multiplies MXFP4 weights by activations rounded to 8 bits (Q8_0), coarser than
@@ -425,4 +411,4 @@ def test_mxfp4_same_file_as_llama_cpp_converter(
     ours = GGUFReader(convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path)
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")
     assert gguf_tensors(ours) == gguf_tensors(ref)  # the MXFP4 experts' bytes included
-    assert _model_keys(ours) == _model_keys(ref)
+    assert model_keys(ours) == model_keys(ref)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, llama_probe, reference_logits
+from convert_helpers import LOGIT_TEXT, gguf_tensors, llama_probe, reference_logits
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
@@ -259,13 +259,6 @@ def test_modules_to_save_replace_the_weight_when_merged(env: Env, tmp_path: Path
 # --- the file -----------------------------------------------------------------------------------
 
 
-def _tensors(path: Path) -> dict[str, tuple]:
-    return {
-        t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape), bytes(t.data))
-        for t in GGUFReader(path).tensors
-    }
-
-
 @pytest.mark.slow
 def test_same_tensors_and_alpha_as_llama_cpp_converter(
     env: Env, llama_cpp_converter: Path, tmp_path: Path
@@ -291,7 +284,7 @@ def test_same_tensors_and_alpha_as_llama_cpp_converter(
         env={**os.environ, "PYTHONPATH": str(llama_cpp_converter / "gguf-py")},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _tensors(env.gguf["a"]) == _tensors(ref_path)  # names, types, shapes and bytes
+    assert gguf_tensors(env.gguf["a"]) == gguf_tensors(ref_path)  # names, types, shapes and bytes
     ref, ours = GGUFReader(ref_path), GGUFReader(env.gguf["a"])
     for key in ("general.architecture", "general.type", "adapter.type", "adapter.lora.alpha"):
         assert ours.fields[key].contents() == ref.fields[key].contents(), key
@@ -309,7 +302,7 @@ def test_pickled_adapter_gives_the_same_file(env: Env, tmp_path: Path) -> None:
     (folder / "adapter_model.safetensors").unlink()
     torch.save(state, folder / "adapter_model.bin")
     res = convert.convert_adapter(folder, env.folder, tmp_path / "a.gguf", outtype="f32")
-    assert _tensors(res.path) == _tensors(env.gguf["a"])
+    assert gguf_tensors(res.path) == gguf_tensors(env.gguf["a"])
 
 
 def test_gguf_base_gives_the_same_adapter(env: Env, tmp_path: Path) -> None:
@@ -317,7 +310,7 @@ def test_gguf_base_gives_the_same_adapter(env: Env, tmp_path: Path) -> None:
         env.adapters["a"], env.base_gguf, tmp_path / "a.gguf", outtype="f32"
     )
     assert res.arch == "llama" and res.n_tensors == 28
-    assert _tensors(res.path) == _tensors(env.gguf["a"])
+    assert gguf_tensors(res.path) == gguf_tensors(env.gguf["a"])
 
 
 def test_result_types_and_default_output(env: Env, tmp_path: Path) -> None:

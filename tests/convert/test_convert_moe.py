@@ -15,13 +15,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_helpers import (
-    LOGIT_TEXT,
+    AGREEMENT,
+    LAYER_SHARE,
     _tokenizer,
+    assert_logits_close,
+    break_last_layer,
     gguf_tensors,
+    greedy,
     llama_probe,
+    logit_ids,
+    logits_and_routes,
+    make_checkpoint,
+    make_layered,
+    model_keys,
     need_asset,
-    randomize,
     reference_gguf,
+    reference_logits,
+    top1_agreement,
 )
 from gguf import GGUFReader
 
@@ -107,26 +117,14 @@ def _config(family: str, tok, peaked: bool):  # noqa: ANN001, ANN202
 
 def build(folder: Path, family: str, *, peaked: bool = False):  # noqa: ANN201
     """A random-weight MoE checkpoint in Hugging Face layout with a real tokenizer."""
-    import torch
-    import transformers as tf
-
-    tok = _tokenizer(TOKENIZER_OF[family])
-    config = _config(family, tok, peaked)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    if peaked:
-        model.tie_weights()
-    randomize(model, seed=0, peaked=peaked)
-    if peaked:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj", "w2.weight", "output_linear")):
-                    p.mul_(GAIN[family])
-    model.eval()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return model, tok
+    return make_checkpoint(
+        folder,
+        family,
+        peaked=peaked,
+        config=lambda tok, peaked: _config(family, tok, peaked),
+        tokenizer=TOKENIZER_OF[family],
+        gain=GAIN[family] if peaked else 1.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -144,38 +142,51 @@ def moe(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return get
 
 
-def _ids(tok) -> list[int]:  # noqa: ANN001
-    ids = tok.encode(LOGIT_TEXT, add_special_tokens=False)
-    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids
+@pytest.fixture(scope="module")
+def f16(moe, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """Each family's plain checkpoint converted to F16 once (the default name), and its reader (a
+    reader of a Qwen3-vocabulary file takes seconds)."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str):  # noqa: ANN202
+        if family not in cache:
+            folder, _, _ = moe(family)
+            out = tmp_path_factory.mktemp(f"moe-f16-{family}") / "m.gguf"
+            path = convert.convert(folder, out, outtype="f16").path
+            cache[family] = (path, GGUFReader(path))
+        return cache[family]
+
+    return get
 
 
-def _logits_and_routes(model, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:  # noqa: ANN001
-    """transformers' float32 logits and, per layer, the experts each position routes to."""
-    import torch
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Per family, once: a peaked checkpoint calibrated so that its layers decide LAYER_SHARE of
+    the top-1s (make_layered), its F16 file, the ids, transformers' top-1s and the share."""
+    cache: dict[str, tuple] = {}
 
-    with torch.no_grad():
-        out = model.float()(torch.tensor([ids]), output_router_logits=True)
-    routes = [
-        r.float().topk(N_USED, dim=-1).indices.sort(-1).values.numpy() for r in out.router_logits
-    ]
-    return out.logits[0].float().numpy(), routes
+    def get(family: str):  # noqa: ANN202
+        if family not in cache:
+            folder = tmp_path_factory.mktemp(f"moe-layered-{family}")
+            model, tok = build(folder, family, peaked=True)
+            ids = logit_ids(tok)
+            share = make_layered(model, ids)
+            model.save_pretrained(folder)
+            top1 = reference_logits(model, ids).argmax(-1)
+            out = tmp_path_factory.mktemp(f"moe-layered-f16-{family}") / "m.gguf"
+            path = convert.convert(folder, out, outtype="f16", name="tiny").path
+            cache[family] = (path, ids, top1, share)
+        return cache[family]
 
-
-def _greedy(model, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
-    import torch
-
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
+    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_logits_and_greedy_match_transformers(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
     folder, model, tok = moe(family)
-    ids = _ids(tok)
-    ref, routes = _logits_and_routes(model, ids)
+    ids = logit_ids(tok)
+    ref, routes = logits_and_routes(model, ids, N_USED)
+    assert len(routes) == 2  # one per layer, both MoE
     for layer in routes:
         # Routing varies: a wrong expert order or router would change many positions' outputs.
         _, counts = np.unique(layer, axis=0, return_counts=True)
@@ -184,13 +195,9 @@ def test_f32_logits_and_greedy_match_transformers(family: str, moe, tmp_path: Pa
     res = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny")
     out, plan = res.path, res.plan
     prompt = ids[:12]
-    want = _greedy(model, prompt, 24)
+    want = greedy(model, prompt, 24)
     got = llama_probe(out, logits=[ids], generate={"ids": prompt, "n": 24})
-    logits = got["logits0"]
-    assert logits.shape == ref.shape
-    assert (logits.argmax(-1) == ref.argmax(-1)).all()
-    span = float(ref.max() - ref.min())
-    assert float(np.abs(logits - ref).max()) < 1e-3 * span
+    assert_logits_close(got["logits0"], ref)
     assert list(got["generated"]) == want
     assert len(set(want)) > 3  # a continuation, not one repeated token
     # The plan (what --dry-run shows) has the stacked tensors, and the file holds what it planned.
@@ -205,34 +212,39 @@ def test_f32_logits_and_greedy_match_transformers(family: str, moe, tmp_path: Pa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_f16_top1_agrees(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, model, tok = moe(family, peaked=True)
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", name="tiny").path
-    ids = _ids(tok)
-    ref, _ = _logits_and_routes(model, ids)
-    top1 = ref.argmax(-1)
+def test_f16_top1_agrees(family: str, layered) -> None:  # noqa: ANN001
+    out, ids, top1, share = layered(family)
+    assert share >= LAYER_SHARE, "the layers must decide a good share of the predictions"
     assert (top1 != np.asarray(ids)).mean() >= 0.03, "the layers must decide some predictions"
-    got = llama_probe(out, logits=[ids])["logits0"]
-    assert (got.argmax(-1) == top1).mean() >= 0.99
+    agreement = top1_agreement(out, ids, top1)
+    assert agreement >= 0.99
+    assert agreement >= AGREEMENT["f16"]
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_broken_layer_fails_the_agreement_check(family: str, layered, tmp_path: Path) -> None:  # noqa: ANN001
+    out, ids, top1, _ = layered(family)
+    broken = tmp_path / "broken.gguf"
+    name = break_last_layer(out, broken)
+    assert top1_agreement(broken, ids, top1) < AGREEMENT["f16"], f"{name} reversed went unseen"
 
 
 # Qwen3-MoE and OLMoE name their in-memory experts as Qwen2-MoE does.
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "granitemoe"])
-def test_from_module_matches_folder_conversion(family: str, moe, tmp_path: Path) -> None:  # noqa: ANN001
+def test_from_module_matches_folder_conversion(family: str, moe, f16, tmp_path: Path) -> None:  # noqa: ANN001
     # In memory, transformers 5 fuses each layer's experts into 3D tensors (gate_up_proj,
     # down_proj); on disk it saves them per expert (or, for Granite, as input/output_linear).
-    folder, model, tok = moe(family)
+    _, model, tok = moe(family)
     assert any("experts.gate_up_proj" in k for k in model.state_dict())
     a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
-    b = convert.convert(folder, tmp_path / "disk.gguf", outtype="f16", name="m").path
-    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(GGUFReader(b))
+    _, disk = f16(family)  # the folder's conversion (its name is metadata, not a tensor)
+    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(disk)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_same_file_as_llama_cpp_converter(
-    family: str, moe, llama_cpp_converter: Path, tmp_path: Path
+    family: str, moe, f16, llama_cpp_converter: Path, tmp_path: Path
 ) -> None:  # noqa: ANN001
     src, _, _ = moe(family)
     folder = tmp_path / family
@@ -243,16 +255,13 @@ def test_same_file_as_llama_cpp_converter(
         shutil.copy(
             need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model"
         )
+        ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path
+        ours = GGUFReader(ours_path)
+    else:  # the folder as it was: its shared conversion
+        _, ours = f16(family)
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")
-    ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path
-    ours = GGUFReader(ours_path)
     assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
-
     # The model's metadata (the vocabulary's is the tokenizer tests' business).
-    def model_keys(r: GGUFReader) -> dict[str, object]:
-        skip = ("GGUF.", "tokenizer.", "general.name")
-        return {k: f.contents() for k, f in r.fields.items() if not k.startswith(skip)}
-
     assert model_keys(ours) == model_keys(ref)
 
 

@@ -8,17 +8,19 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from convert_helpers import make_checkpoint, randomize, reference_logits
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
-from test_convert_fidelity import (
+from convert_helpers import (
     AGREEMENT,
     LAYER_SHARE,
     break_last_layer,
     logit_ids,
+    make_checkpoint,
     make_layered,
+    randomize,
+    reference_logits,
     top1_agreement,
 )
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
 
 import convert
 from convert.errors import ConvertError
