@@ -39,6 +39,8 @@ test-tools:
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq tmux); } || \
 		{ echo "install tmux for the TUI smoke test" >&2; exit 1; }
 
+# Also rewrites README.md's Reliability table from the run's counts when every test passed
+# (tests/reliability.py); the counts are fixed by the tests, so a rerun leaves it as it was.
 test: dev lint test-tools
 	LOCALRUN_TEST_STRICT=1 LOCALRUN_RELIABILITY_README=1 $(BIN)/python -m pytest -q -p no:cacheprovider -rs
 

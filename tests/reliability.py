@@ -2,7 +2,8 @@
 
 Each fault test calls `fault(kind, where)` once its assertions have passed (the fault was
 injected and survived), each fuzzing test calls `inputs(kind)` for every bad input it tried and
-saw answered, and the tests that interrupt a batch call `rows(written, lost)`. When the whole
+saw answered, and the tests that interrupt a batch call `rows(total, lost)`. Every count is fixed by
+the tests themselves (not by how far a run got before its fault), so a rerun writes the same table. When the whole
 suite has run and passed under `make test` (LOCALRUN_RELIABILITY_README=1), the table between
 the README's reliability markers is rewritten from these counts; no figure in it is typed by hand.
 """
@@ -28,7 +29,8 @@ FAULTS = {  # kind: (what was done, what every case showed)
     "damaged file": ("a damaged or truncated file",
                      "restored from the kept copy or an error naming the file, never an empty library"),
     "misbehaving Hub": ("a Hub that misbehaves", "resumed, retried or refused clearly, never a corrupt file installed"),
-    "dropped client": ("a client that disconnects mid-stream", "the server serves on and frees every sequence"),
+    "dropped client": ("a client set to disconnect mid-stream",
+                       "it left and was cancelled, or was refused with 503; the server serves on and frees every sequence"),
 }
 INPUTS = {
     "GGUF header": "GGUF headers (one field mutated, or bytes cut and flipped)",
@@ -44,7 +46,7 @@ class Tally:
     faults: Counter[str] = field(default_factory=Counter)
     places: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     inputs: Counter[str] = field(default_factory=Counter)
-    rows_written: int = 0
+    rows_total: int = 0
     rows_lost: int = 0
     interruptions: int = 0
 
@@ -65,10 +67,10 @@ def inputs(kind: str, n: int = 1) -> None:
     TALLY.inputs[kind] += n
 
 
-def rows(written: int, lost: int) -> None:
-    """A batch was interrupted: `written` rows were finished before, `lost` of them are missing."""
+def rows(total: int, lost: int) -> None:
+    """A batch of `total` rows was interrupted and resumed; `lost` rows finished before are missing."""
     TALLY.interruptions += 1
-    TALLY.rows_written += written
+    TALLY.rows_total += total
     TALLY.rows_lost += lost
 
 
@@ -82,7 +84,7 @@ def table(t: Tally = TALLY) -> str:
     for kind, what in INPUTS.items():
         n = t.inputs[kind]
         lines.append(f"| Bad input: {what} | {n} | all {n} answered: accepted, or a clear error; no crash, no 500 |")
-    lines.append(f"| Rows finished before {t.interruptions} interrupted batches | {t.rows_written} |"
+    lines.append(f"| Rows of {t.interruptions} batches interrupted and resumed | {t.rows_total} |"
                  f" rows lost: {t.rows_lost} |")
     return "\n".join(lines)
 

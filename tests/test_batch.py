@@ -224,7 +224,7 @@ def test_stopped_batch_resumes_each_id_once(cli, tmp_path: Path, how: str) -> No
     assert all(r["completion_tokens"] > 0 and r["finish_reason"] in ("stop", "length") for r in final)
     if how == "sigkill":
         reliability.fault("SIGKILL", "batch")
-    reliability.rows(len(first), sum(1 for r in first if r not in final))
+    reliability.rows(len(ids), sum(1 for r in first if r not in final))
 
 
 def test_finished_ids_repairs_a_torn_last_row(tmp_path: Path) -> None:

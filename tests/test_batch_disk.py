@@ -61,4 +61,4 @@ def test_full_disk_is_one_clear_error_and_resume_finishes(small_disk: Path, tmp_
     assert sorted(r["id"] for r in final) == ids  # every row exactly once
     assert final[: len(written)] == written  # the rows from before the full disk are kept as they were
     reliability.fault("full disk", "batch output")
-    reliability.rows(len(written), sum(1 for r in written if r not in final))
+    reliability.rows(ROWS, sum(1 for r in written if r not in final))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,6 @@ from localrun.errors import BadModelFileError, UsageError
 
 from . import reliability
 from .conftest import ASSETS, assets_or_skip
-
-
-@pytest.fixture(autouse=True)
-def _tally(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each hostile template counts in the README's reliability table (written only if all pass)."""
-    yield
-    if any(k in request.node.name for k in ("injection", "runaway", "raise_exception")):
-        reliability.inputs("chat template")
-
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -71,11 +61,13 @@ def test_template_injection_is_refused(payload: str) -> None:
     with pytest.raises(BadModelFileError) as e:
         render_template(payload, [Message("user", "hi")])
     assert "refused" in str(e.value) or "failed" in str(e.value)
+    reliability.inputs("chat template")
 
 
 def test_template_raise_exception_is_an_error() -> None:
     with pytest.raises(BadModelFileError, match="only user turns"):
         render_template("{{ raise_exception('only user turns') }}", [Message("user", "x")])
+    reliability.inputs("chat template")
 
 
 def test_plain_fallback() -> None:
@@ -138,6 +130,7 @@ def test_runaway_templates_are_stopped_by_limits(source: str, reason: str, monke
     assert "--raw" in (e.value.hint or "")
     # the next render works: no limit or trace is left behind
     assert render_template("{{ messages[0]['content'] }}", parse_messages(CONVERSATION)) == CONVERSATION[0]["content"]
+    reliability.inputs("chat template")
 
 
 def test_a_long_conversation_is_not_a_runaway_template() -> None:

@@ -139,7 +139,7 @@ def test_a_killed_driver_resumes_with_every_id_once(cluster: dict[str, Any], sta
     assert sorted(_texts(out)) == sorted(f"r{i}" for i in range(ROWS))
     reliability.fault("SIGKILL", "a Ray batch driver")
     after = _records(out)
-    reliability.rows(written, sum(1 for r in before if r not in after))
+    reliability.rows(ROWS, sum(1 for r in before if r not in after))
 
 
 def test_an_actor_that_cannot_get_the_model_leaves_its_rows_to_the_other(cluster: dict[str, Any], starter: Path,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from localrun.errors import StoreError
 from tui.conversations import ConversationStore
 
 from . import reliability
-
-
-@pytest.fixture(autouse=True)
-def _tally(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each damaged-file case counts in the README's reliability table (written only if all pass)."""
-    yield
-    name = request.node.name
-    if "damaged" in name or "wrong_shape" in name:
-        reliability.fault("damaged file", "chat history" if "history" in name else "registry.json")
-
 
 # Ways a file gets damaged: cut off mid-content, overwritten with junk, emptied.
 DAMAGE = {
@@ -85,6 +74,7 @@ def test_a_damaged_registry_is_restored_from_its_kept_copy(
 
     rc, names_again, err = _listed(cli)  # said once: the registry is sound again
     assert rc == 0 and names_again == names and "registry" not in err
+    reliability.fault("damaged file", "registry.json")
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -105,6 +95,7 @@ def test_a_damaged_registry_without_a_kept_copy_is_an_error_naming_it(
         assert "no kept copy" in r.stderr and f"mv '{registry}'" in r.stderr
         assert "Traceback" not in r.stderr
     assert registry.read_bytes() == damaged  # left as it was: the user decides
+    reliability.fault("damaged file", "registry.json")
 
 
 def test_a_damaged_registry_and_kept_copy_is_an_error_naming_both(
@@ -118,6 +109,7 @@ def test_a_damaged_registry_and_kept_copy_is_an_error_naming_both(
     assert (
         "registry.json' is damaged" in r.stderr and "registry.json.bak' is damaged too" in r.stderr
     )
+    reliability.fault("damaged file", "registry.json")
 
 
 def test_a_write_to_a_damaged_registry_restores_it_first(
@@ -131,6 +123,7 @@ def test_a_write_to_a_damaged_registry_restores_it_first(
     assert "registry.json.bak" in r.stderr
     rc, names, _ = _listed(cli)
     assert rc == 0 and sorted(n for n in names if n.startswith("stories")) == [a, "stories-c:f32"]
+    reliability.fault("damaged file", "registry.json")
 
 
 def test_a_registry_of_the_wrong_shape_counts_as_damaged(isolated_home: Path) -> None:
@@ -141,6 +134,7 @@ def test_a_registry_of_the_wrong_shape_counts_as_damaged(isolated_home: Path) ->
         (isolated_home / "registry.json").write_text(text)
         with pytest.raises(StoreError, match="is damaged"):
             Store().list()
+    reliability.fault("damaged file", "registry.json")
 
 
 # --- the chat history -------------------------------------------------------------------------
@@ -179,6 +173,7 @@ def test_a_damaged_history_is_restored_from_the_copy_kept_at_open(
     assert len(broken) == 1 and broken[0].read_bytes() == damaged
     again = ConversationStore(path)
     assert again.notice is None and len(again.list()) == len(before)
+    reliability.fault("damaged file", "chat history")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -199,6 +194,7 @@ def test_a_damaged_history_without_a_kept_copy_is_an_error_naming_it(
         and f"mv '{path}'" in msg
     )
     assert path.read_bytes() == damaged  # not replaced by an empty database
+    reliability.fault("damaged file", "chat history")
 
 
 def test_a_damaged_history_and_kept_copy_is_an_error(tmp_path: Path) -> None:
@@ -208,3 +204,4 @@ def test_a_damaged_history_and_kept_copy_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "conversations.sqlite3.bak").write_bytes(b"\xff" * 8192)
     with pytest.raises(StoreError, match="kept copy .* is damaged too"):
         ConversationStore(path)
+    reliability.fault("damaged file", "chat history")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from . import reliability
 
 
@@ -64,9 +66,14 @@ def test_batch_whose_engine_is_killed_keeps_its_rows_and_resumes(starter: Path, 
                 "-p", "4")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
+    seen = []
     for line in proc.stderr:  # a progress line follows every written row
+        seen.append(line)
         if "rows," in line and not line.startswith("localrun batch: 0/"):
             break
+    else:
+        pytest.fail(f"the batch ended before a row was written: {''.join(seen)[-2000:]}")
+    assert proc.poll() is None, "the batch finished before its engine could be killed"
     err = _kill_engine(proc)
     assert proc.returncode == 1 and "engine crashed" in err and "Traceback" not in err, err
     kept = [json.loads(line) for line in out.read_text().splitlines()]  # only whole rows
@@ -76,4 +83,4 @@ def test_batch_whose_engine_is_killed_keeps_its_rows_and_resumes(starter: Path, 
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == list(range(24))
     reliability.fault("SIGKILL", "the engine during batch")
-    reliability.rows(len(kept), len({r["id"] for r in kept} - set(ids)))
+    reliability.rows(24, len({r["id"] for r in kept} - set(ids)))

@@ -14,7 +14,7 @@ def _tally() -> Tally:
         t.places[kind].update({"b place", "a place"})
     for kind in reliability.INPUTS:
         t.inputs[kind] += 7
-    t.rows_written, t.rows_lost, t.interruptions = 40, 0, 3
+    t.rows_total, t.rows_lost, t.interruptions = 40, 0, 3
     return t
 
 
@@ -31,7 +31,7 @@ def test_the_table_comes_from_the_counts() -> None:
     assert all(r.startswith("| ") and r.endswith(" |") and r.count(" | ") == 2 for r in rows)
     assert "(a place, b place) | 2 | all 2: " in table
     assert "| 7 | all 7 answered" in table
-    assert "| Rows finished before 3 interrupted batches | 40 | rows lost: 0 |" in table
+    assert "| Rows of 3 batches interrupted and resumed | 40 | rows lost: 0 |" in table
     assert reliability.missing(t) == []
     assert set(reliability.missing(Tally())) >= set(reliability.FAULTS) | set(reliability.INPUTS)
 

@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 GOOD_TOKEN = "hf_test_good_token"
 LFS_THRESHOLD = 1024  # files at least this big, or with a weights suffix, are served as LFS
+PAUSE_MAX_S = 600  # a paused transfer waits this long at most for its test to release it
 _WEIGHTS = (".gguf", ".safetensors", ".bin", ".pth", ".onnx", ".pt")
 
 
@@ -359,7 +360,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             if fault.kind == "pause":
                 fault.reached.set()
-                fault.release.wait(60)
+                fault.release.wait(PAUSE_MAX_S)  # the test releases it; this only bounds a crashed one
             if fault.kind in ("drop", "pause"):
                 # Close mid-body: the client sees a short read, as with a dropped connection.
                 self.close_connection = True

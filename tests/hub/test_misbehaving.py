@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,6 @@ from .. import reliability
 from .conftest import UnrulyHub
 from .repos import QUANT_REPO
 from .server import GOOD_TOKEN
-
-_FAULT_OF = {"resume_answered_200": "Range ignored", "dropp": "dropped transfers", "429": "429 Retry-After",
-             "redirect": "redirects to a storage host", "shorter": "wrong body lengths", "junk": "wrong body lengths",
-             "longer": "wrong body lengths", "unannounced": "wrong body lengths"}
-
-
-@pytest.fixture(autouse=True)
-def _tally(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each misbehaviour case counts in the README's reliability table (written only if all pass)."""
-    yield
-    for key, what in _FAULT_OF.items():
-        if key in request.node.name:
-            reliability.fault("misbehaving Hub", what)
-            break
-
 
 Q4 = "stories-260k-Q4_K_M.gguf"
 DROP_AT = 300_000  # the first GET of a file ends here, so what follows is a resume
@@ -88,6 +72,7 @@ def test_resume_answered_200_with_whole_body_is_not_appended(unruly_hub: UnrulyH
     assert (blobs() / sha).stat().st_size == size  # not DROP_AT + size
     assert installed(sha)
     assert not (blobs() / f"{sha}.incomplete").exists()
+    reliability.fault("misbehaving Hub", "Range ignored")
 
 
 # -- 2. drops during a resume ---------------------------------------------------------------------
@@ -107,6 +92,7 @@ def test_connection_dropped_during_resume_is_resumed_again(
     ]
     assert result.downloaded_bytes == size
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "dropped transfers")
 
 
 def test_connection_that_keeps_dropping_fails_clearly_and_keeps_the_partial(
@@ -130,6 +116,7 @@ def test_connection_that_keeps_dropping_fails_clearly_and_keeps_the_partial(
     assert body_gets(unruly_hub, sha)[-1] == (f"bytes={DROP_AT}-", 206, size - DROP_AT)
     assert result.downloaded_bytes == size - DROP_AT
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "dropped transfers")
 
 
 # -- 3. 429 with Retry-After ----------------------------------------------------------------------
@@ -142,6 +129,7 @@ def test_429_waits_for_retry_after_then_succeeds(unruly_hub: UnrulyHub) -> None:
     retry = [t for t, path, _ in unruly_hub.unruly.arrivals if sha in path and t > limited.hits[0]]
     assert retry and retry[0] - limited.hits[0] >= 1.0
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "429 Retry-After")
 
 
 def test_429_with_a_huge_retry_after_is_reported_not_waited(unruly_hub: UnrulyHub, cli) -> None:
@@ -159,6 +147,7 @@ def test_429_with_a_huge_retry_after_is_reported_not_waited(unruly_hub: UnrulyHu
     assert len(limited.hits) == 1  # told once, not hammered
     assert nothing_installed(sha)
     assert not (blobs() / f"{sha}.incomplete").exists()  # nothing held, no empty partial left
+    reliability.fault("misbehaving Hub", "429 Retry-After")
 
 
 def test_retry_after_http_date_and_garbage() -> None:
@@ -190,6 +179,7 @@ def test_redirect_to_storage_host_follows_without_the_token(
         (f"bytes={DROP_AT}-", 206, size - DROP_AT),
     ]
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "redirects to a storage host")
 
 
 # -- 5. body shorter or longer than announced -----------------------------------------------------
@@ -205,6 +195,7 @@ def test_body_shorter_than_content_length_is_resumed(
         (f"bytes={size - 1000}-", 206, 1000),
     ]
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "wrong body lengths")
 
 
 def test_junk_after_content_length_is_not_written(unruly_hub: UnrulyHub) -> None:
@@ -216,6 +207,7 @@ def test_junk_after_content_length_is_not_written(unruly_hub: UnrulyHub) -> None
     assert installed(sha)
     # The connection the junk arrived on is not reused as if it were clean.
     assert api.pull(f"{QUANT_REPO}:Q8_0").model.name == "stories-260k:q8_0"
+    reliability.fault("misbehaving Hub", "wrong body lengths")
 
 
 def test_body_longer_than_the_file_is_refused_before_writing(unruly_hub: UnrulyHub) -> None:
@@ -232,6 +224,7 @@ def test_body_longer_than_the_file_is_refused_before_writing(unruly_hub: UnrulyH
     assert not list(blobs().iterdir())  # no partial file either
     api.pull(QUANT_REPO)
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "wrong body lengths")
 
 
 def test_unannounced_body_past_the_file_size_deletes_the_partial(unruly_hub: UnrulyHub) -> None:
@@ -247,3 +240,4 @@ def test_unannounced_body_past_the_file_size_deletes_the_partial(unruly_hub: Unr
     assert not list(blobs().iterdir())
     api.pull(QUANT_REPO)
     assert installed(sha)
+    reliability.fault("misbehaving Hub", "wrong body lengths")
