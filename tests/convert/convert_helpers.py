@@ -422,6 +422,15 @@ def make_layered(model, ids: list[int], seed: int = 0) -> float:  # noqa: ANN001
     return layer_share(model, ids, layerless)
 
 
+def save_layered(folder: Path, model, tok) -> tuple[list[int], np.ndarray, float]:  # noqa: ANN001
+    """Calibrate a peaked model (make_layered), save it to folder, and return the ids, transformers'
+    top-1s on them and the share of those the layers decide."""
+    ids = logit_ids(tok)
+    share = make_layered(model, ids)
+    model.save_pretrained(folder)
+    return ids, reference_logits(model, ids).argmax(-1), share
+
+
 def top1_agreement(path: Path, ids: list[int], top1: np.ndarray) -> float:
     """Share of positions where llama.cpp on the GGUF picks the reference's top-1."""
     got = llama_probe(path, logits=[ids])["logits0"]

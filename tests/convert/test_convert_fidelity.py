@@ -14,8 +14,8 @@ from convert_helpers import (
     llama_probe,
     logit_ids,
     make_checkpoint,
-    make_layered,
     reference_logits,
+    save_layered,
     top1_agreement,
 )
 
@@ -41,11 +41,7 @@ def layered(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     def get(arch: str, outtype: str):  # noqa: ANN202
         if arch not in models:
             folder = tmp_path_factory.mktemp(f"layered-{arch}")
-            model, tok = make_checkpoint(folder, arch, peaked=True)
-            ids = logit_ids(tok)
-            share = make_layered(model, ids)
-            model.save_pretrained(folder)
-            models[arch] = (folder, ids, reference_logits(model, ids).argmax(-1), share)
+            models[arch] = (folder, *save_layered(folder, *make_checkpoint(folder, arch, peaked=True)))
         folder, ids, top1, share = models[arch]
         if (arch, outtype) not in files:
             out = tmp_path_factory.mktemp(f"gguf-{arch}") / f"{outtype}.gguf"

@@ -26,10 +26,9 @@ from convert_helpers import (
     logit_ids,
     logits_and_routes,
     make_checkpoint,
-    make_layered,
     model_keys,
     reference_gguf,
-    reference_logits,
+    save_layered,
     top1_agreement,
 )
 from gguf import GGMLQuantizationType, GGUFReader
@@ -186,11 +185,7 @@ def layered(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     (make_layered), its F16 file, the ids, transformers' top-1s and the share. A model of its own:
     the MXFP4 tests keep the peaked one as it is."""
     folder = tmp_path_factory.mktemp("gpt-oss-layered")
-    model, tok = build(folder, peaked=True)
-    ids = logit_ids(tok)
-    share = make_layered(model, ids)
-    model.save_pretrained(folder)
-    top1 = reference_logits(model, ids).argmax(-1)
+    ids, top1, share = save_layered(folder, *build(folder, peaked=True))
     out = tmp_path_factory.mktemp("gpt-oss-layered-f16") / "m.gguf"
     return convert.convert(folder, out, outtype="f16", name="tiny").path, ids, top1, share
 

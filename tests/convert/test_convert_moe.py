@@ -26,11 +26,10 @@ from convert_helpers import (
     logit_ids,
     logits_and_routes,
     make_checkpoint,
-    make_layered,
     model_keys,
     need_asset,
     reference_gguf,
-    reference_logits,
+    save_layered,
     top1_agreement,
 )
 from gguf import GGUFReader
@@ -168,11 +167,7 @@ def layered(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     def get(family: str):  # noqa: ANN202
         if family not in cache:
             folder = tmp_path_factory.mktemp(f"moe-layered-{family}")
-            model, tok = build(folder, family, peaked=True)
-            ids = logit_ids(tok)
-            share = make_layered(model, ids)
-            model.save_pretrained(folder)
-            top1 = reference_logits(model, ids).argmax(-1)
+            ids, top1, share = save_layered(folder, *build(folder, family, peaked=True))
             out = tmp_path_factory.mktemp(f"moe-layered-f16-{family}") / "m.gguf"
             path = convert.convert(folder, out, outtype="f16", name="tiny").path
             cache[family] = (path, ids, top1, share)
