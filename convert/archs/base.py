@@ -217,6 +217,10 @@ class Arch:
         """Override of the SentencePiece space prefix (None: from the tokenizer)."""
         return None
 
+    def add_bos_token(self) -> bool | None:
+        """Override of whether llama.cpp adds a BOS token (None: from tokenizer_config.json)."""
+        return None
+
 
 def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     """Per-frequency factors of Llama 3.1's rope scaling (llama.cpp's rope_freqs tensor)."""

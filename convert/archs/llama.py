@@ -20,6 +20,12 @@ class Llama(Arch):
         w.add_vocab_size(int(self.need("vocab_size")))
         w.add_rope_dimension_count(self.head_dim())
 
+    def add_bos_token(self) -> bool | None:
+        # The 49,152-token vocabulary (SmolLM, SmolLM2, Granite 3's small models) adds no BOS in
+        # transformers, and its tokenizer_config.json does not say so: llama.cpp's converter
+        # writes the False for it, so the file says what the model expects.
+        return False if self.get("vocab_size") == 49152 else None
+
     def transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
         n_head = int(self.need("num_attention_heads"))
         if name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -56,6 +56,7 @@ def main() -> None:
             out[f"tok{i}"] = np.asarray(
                 tokenize(llama_cpp, vocab, text, bool(req.get("parse_special"))), dtype=np.int64
             )
+        out["add_bos"] = np.asarray([bool(llama_cpp.llama_vocab_get_add_bos(vocab))])
         llama_cpp.llama_model_free(model)
     if req.get("logits") or req.get("generate"):
         llm = llama_cpp.Llama(

@@ -7,7 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from convert_helpers import ASSETS, MIXED_TEXT, llama_probe, need_asset
+from convert_helpers import (
+    ASSETS,
+    MIXED_TEXT,
+    converter_cache,
+    llama_cpp_converter_dir,
+    llama_probe,
+    need_asset,
+    reference_gguf,
+)
 
 import convert
 from convert.errors import ConvertError
@@ -259,6 +267,23 @@ def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, tmp_pat
     texts = all_inputs() + _with_specials("<|im_start|>", "<|im_end|>")
     texts.append("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert _special_parity(out, smollm2_export, texts) == []
+
+
+def test_49152_token_vocabulary_says_it_adds_no_bos(smollm2_export: Path, tmp_path: Path) -> None:
+    # SmolLM2's (and Granite 3's) tokenizer adds no BOS in transformers and its config does not
+    # say so; llama.cpp's converter writes add_bos_token = false for that vocabulary size, and
+    # so does localrun's: the same key, the same value, the same flag in llama.cpp.
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_export))
+    assert len(tok) == 49152 and tok.encode("Hi") == tok.encode("Hi", add_special_tokens=False)
+    out = convert.convert(smollm2_export, tmp_path / "m.gguf", outtype="f16").path
+    key = "tokenizer.ggml.add_bos_token"
+    assert GGUFReader(out).fields[key].contents() is False
+    ref = reference_gguf(llama_cpp_converter_dir(converter_cache()), smollm2_export, tmp_path / "ref.gguf", "f16")
+    assert ref.fields[key].contents() is False
+    assert llama_probe(out, tokenize=["Hi"])["add_bos"].tolist() == [False]
 
 
 def _with_tokenizer_json(src: Path, dst: Path, tj: dict) -> Path:
