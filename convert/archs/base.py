@@ -143,6 +143,9 @@ class Arch:
         rope = self.rope()
         if (theta := rope.get("rope_theta")) is not None:
             w.add_rope_freq_base(float(theta))
+        sliding = (self.get("rope_parameters") or {}).get("sliding_attention")
+        if isinstance(sliding, dict) and sliding.get("rope_theta") is not None:
+            w.add_rope_freq_base_swa(float(sliding["rope_theta"]))  # as llama.cpp's converter
         self.write_rope_scaling(w, rope)
         w.add_layer_norm_rms_eps(float(self.get("rms_norm_eps", 1e-6)))
         if self.config.get("head_dim") is not None:
@@ -163,6 +166,14 @@ class Arch:
                 w.add_rope_scaling_yarn_ext_factor(float(ext))
             attn = rope.get("attention_factor", rope.get("attn_factor"))
             if attn is not None:
+                # llama.cpp scales attention by YaRN's own 0.1 ln(factor) + 1 and ignores the key
+                default = 0.1 * math.log(float(factor)) + 1.0 if float(factor) > 1.0 else 1.0
+                if abs(float(attn) - default) > 1e-4 * default:
+                    raise ConvertError(
+                        f"the yarn attention factor {attn} differs from 0.1 ln({factor}) + 1 = "
+                        f"{default:.4f}, the only one llama.cpp applies",
+                        "llama.cpp would run this model with the wrong attention scale",
+                    )
                 w.add_rope_scaling_yarn_attn_factor(float(attn))
             if (fast := rope.get("beta_fast")) is not None:
                 w.add_rope_scaling_yarn_beta_fast(float(fast))

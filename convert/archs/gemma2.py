@@ -28,9 +28,6 @@ class GemmaBase(Arch):
         layer_types = self.get("layer_types")
         if layer_types and len(layer_types) == self.n_layers:
             w.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
-        sliding = self.rope("sliding_attention")
-        if "sliding_attention" in (self.get("rope_parameters") or {}) and sliding.get("rope_theta"):
-            w.add_rope_freq_base_swa(float(sliding["rope_theta"]))
 
 
 @register("Gemma2ForCausalLM")

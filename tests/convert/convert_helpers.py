@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -229,6 +230,27 @@ def _config(arch: str, vocab: int, bos: int | None, eos: int | None, peaked: boo
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
             pad_token_id=None,
         )
+    if arch == "olmo3":
+        # four layers, the default pattern: three sliding (a window shorter than the test text)
+        # and a full one; yarn on the full layer only, as OLMo 3's published configs set it
+        return tf.Olmo3Config(
+            **{**common, "num_hidden_layers": 4},
+            tie_word_embeddings=False,
+            sliding_window=4,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                    "attention_factor": 0.1 * math.log(4.0) + 1,  # as published: YaRN's own
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+            },
+            pad_token_id=None,
+        )
     raise ValueError(arch)
 
 
@@ -244,6 +266,7 @@ TOKENIZER_OF = {
     "smollm3": "llama2-spm",
     "granite": "llama2-spm",
     "olmo2": "qwen3",  # OLMo 2's vocabulary is byte-level BPE
+    "olmo3": "qwen3",
 }
 ARCHS = list(TOKENIZER_OF)
 

@@ -24,7 +24,7 @@ from gguf import GGUFReader
 import convert
 from convert.errors import ConvertError
 
-FAMILIES = ["smollm3", "granite", "olmo2", "phi4"]
+FAMILIES = ["smollm3", "granite", "olmo2", "olmo3", "phi4"]
 # Flags llama.cpp defaults to false that the vocabulary code leaves unwritten for byte-level BPE
 # (it also writes some vocabulary keys llama.cpp's converter does not, e.g. the end-of-turn token).
 IMPLICIT_FALSE = {"tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"}
@@ -223,3 +223,28 @@ def test_tied_olmo2_gets_one_output_matrix(stores_head: bool, tmp_path: Path) ->
     assert [t.source for t in outputs] == [want]
     embd = next(t for t in plan.tensors if t.name == "token_embd.weight")
     assert outputs[0].shape == embd.shape
+
+
+def test_olmo3_sliding_rope_llama_cpp_cannot_run_is_refused(checkpoints, tmp_path: Path) -> None:
+    # llama.cpp's OLMo 3 graph gives the sliding layers plain rope at the full layers' base.
+    folder, _, _ = checkpoints("olmo3")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    rope = json.loads((copy / "config.json").read_text())["rope_parameters"]
+    _edit_config(copy, rope_parameters={**rope, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ConvertError, match="sliding-window layers' rope"):
+        convert.convert(copy, tmp_path / "m.gguf", outtype="f32")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_yarn_attention_factor_llama_cpp_ignores_is_refused(checkpoints, tmp_path: Path) -> None:
+    # llama.cpp's YaRN scales attention by 0.1 ln(factor) + 1 whatever the file says.
+    folder, _, _ = checkpoints("olmo3")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    rope = json.loads((copy / "config.json").read_text())["rope_parameters"]
+    full = {**rope["full_attention"], "attention_factor": 1.2}
+    _edit_config(copy, rope_parameters={**rope, "full_attention": full})
+    with pytest.raises(ConvertError, match="yarn attention factor 1.2"):
+        convert.convert(copy, tmp_path / "m.gguf", outtype="f32")
+    assert not list(tmp_path.glob("*.gguf"))
