@@ -44,7 +44,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if free < FREE_DISK_NEEDED:
         raise pytest.UsageError(
             f"the tests need {FREE_DISK_NEEDED / 1024**3:.0f} GB free for their temporary files and "
-            f"{where} has {free / 1024**3:.1f} GB: free some space, or point --basetemp at another disk"
+            f"{where} has {free / 1024**3:.1f} GB: free some space, or set TMPDIR to a folder on another disk"
         )
 
 
