@@ -34,7 +34,7 @@ FAULTS = {  # kind: (what was done, what every case showed)
 }
 INPUTS = {
     "GGUF header": "GGUF headers (one field mutated, or bytes cut and flipped)",
-    "batch row": "batch input rows and files",
+    "batch row": "batch inputs (one row, a set of lines, an input file)",
     "server request": "server requests (every endpoint from its OpenAPI schema, malformed bodies)",
     "chat template": "chat templates (injection payloads, endless loops, huge strings)",
     "soak request": "soak requests from 64 concurrent clients",

@@ -66,7 +66,6 @@ any_row = st.one_of(row, row, row, json_values)
 
 def assert_row(r: BatchRow, line: int) -> None:
     """A request and no error, or an error naming the line and no request."""
-    reliability.inputs("batch row")
     assert isinstance(r, BatchRow) and r.line == line
     if r.request is None:
         assert isinstance(r.error, str) and r.error.startswith(f"line {line}: "), r
@@ -83,6 +82,7 @@ def assert_row(r: BatchRow, line: int) -> None:
 def test_any_json_value_is_a_row(data: Any, line: int, raw: bool, system: str | None) -> None:
     """parse_row never raises, whatever the value (known keys with wrong types, extra keys, non-objects)."""
     assert_row(parse_row(data, line, GenerationParams(), system, raw), line)
+    reliability.inputs("batch row")  # per example: how many rows it holds depends on the draw
 
 
 def _line(value: Any, cut: int | None) -> str:
@@ -116,6 +116,7 @@ def _check_lines(text_lines: list[str], fmt: str) -> list[BatchRow] | None:
 def test_any_lines_are_rows(text_lines: list[str], fmt: str) -> None:
     """parse_lines: one row per non-blank line, broken JSON included; only a repeated id raises."""
     _check_lines(text_lines, fmt)
+    reliability.inputs("batch row")
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -131,9 +132,10 @@ def test_any_input_file_is_read(text_lines: list[str], suffix: str) -> None:
         except UsageError as e:
             assert e.message and ("appears on lines" in e.message or "has no rows" in e.message
                                   or "cannot read" in e.message), e.message
-            return
-        for r in rows:
-            assert_row(r, r.line)
+        else:
+            for r in rows:
+                assert_row(r, r.line)
+    reliability.inputs("batch row")
 
 
 @pytest.mark.parametrize("line", ['{"id": "\\q", "prompt": ', '{"id": 1, "prompt": "x", "temperature": 1' + "0" * 400 + "}"])
@@ -141,3 +143,4 @@ def test_found_by_fuzzing(line: str) -> None:
     """Inputs the fuzzing above found: each is a row with an error, not an exception."""
     (r,) = parse_lines([line], "jsonl", GenerationParams())
     assert r.request is None and r.error and r.error.startswith("line 1: ")
+    reliability.inputs("batch row")
