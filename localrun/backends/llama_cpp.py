@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import codecs
 import ctypes
-import re
-from collections import deque
 from typing import Any
 
 from localrun.backends.base import Embeddings, Sampled, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
+from localrun.backends.llama_loader import LOG, last_log_error, library, load_model, new_context
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.errors import (
-    BackendUnavailableError,
     BadModelFileError,
     ContextOverflowError,
     EngineError,
@@ -33,64 +31,12 @@ from localrun.generation import (
 )
 from localrun.store import ModelInfo
 
-_LOG_TAIL: deque[str] = deque(maxlen=40)
-_OFFLOAD_RE = re.compile(r"offloaded (\d+/\d+) layers to GPU")
-_OFFLOADED: list[str | None] = [None]  # 'N/M' from the last model load's log, if it offloaded
-# llama.cpp logs (at debug level) each tensor an override places: "tensor blk.0.ffn_up_exps.weight
-# (0 MiB f32) buffer type overridden to CPU".
-_OVERRIDE_RE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
-_OVERRIDDEN: list[tuple[str, str]] = []  # (tensor, buffer type) of the last model load
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
-_LOG_CALLBACK: Any = None  # keep the ctypes callback alive: a collected one segfaults
-
-
-def _install_log_sink(llama_cpp: Any) -> None:
-    """Route llama.cpp's log to a ring buffer (for error messages) instead of stderr."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is not None:
-        return
-
-    @llama_cpp.llama_log_callback
-    def sink(level: int, text: bytes, user_data: Any) -> None:
-        if text:
-            line = text.decode("utf-8", errors="replace")
-            _LOG_TAIL.append(line)
-            m = _OFFLOAD_RE.search(line)
-            if m:
-                _OFFLOADED[0] = m.group(1)
-            o = _OVERRIDE_RE.search(line)
-            if o:
-                _OVERRIDDEN.append((o.group(1), o.group(2)))
-
-    _LOG_CALLBACK = sink
-    llama_cpp.llama_log_set(sink, ctypes.c_void_p(0))
-
-
-def last_log_error() -> str:
-    """The last meaningful line llama.cpp logged (often the reason for a failure)."""
-    for line in reversed(_LOG_TAIL):
-        line = line.strip()
-        if line and ("error" in line.lower() or "failed" in line.lower()):
-            return line
-    return ""
-
-
-def _import() -> Any:
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise BackendUnavailableError(
-            "the llama.cpp engine is not installed (llama-cpp-python is missing)",
-            "pip install llama-cpp-python",
-        ) from e
-    return llama_cpp
 
 
 def system_info() -> dict[str, Any]:
     """Build facts of llama.cpp: version, CPU features, GPU offload."""
-    llama_cpp = _import()
-    _install_log_sink(llama_cpp)
-    llama_cpp.llama_backend_init()
+    llama_cpp = library()
     features = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
     from importlib.metadata import version
 
@@ -143,10 +89,8 @@ class LlamaCppEngine:
     can_copy = True
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
-        ll = _import()
+        ll = library()
         self.ll = ll
-        _install_log_sink(ll)
-        ll.llama_backend_init()
         self.model_info = model
         self.options = options
         mparams = ll.llama_model_default_params()
@@ -157,16 +101,9 @@ class LlamaCppEngine:
             mparams.tensor_buft_overrides = ctypes.addressof(self._overrides[0])
         self.gpu_layers = self._gpu_layers(options, host_bytes)
         mparams.n_gpu_layers = self.gpu_layers
-        _LOG_TAIL.clear()
-        _OFFLOADED[0] = None
-        _OVERRIDDEN.clear()
-        self.model = ll.llama_model_load_from_file(model.path.encode(), mparams)
-        if not self.model:
-            reason = last_log_error() or "llama.cpp could not load it"
-            raise BadModelFileError(f"cannot load model '{model.name}' ({model.path}): {reason}",
-                                    "the file may be corrupt or of an architecture this llama.cpp build does not know")
-        self.offloaded = _OFFLOADED[0]
-        self.host_tensors = tuple(name for name, _ in _OVERRIDDEN)
+        self.model = load_model(model.path, model.name, mparams)
+        self.offloaded = LOG.offloaded
+        self.host_tensors = tuple(name for name, _ in LOG.overridden)
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_train = ll.llama_model_n_ctx_train(self.model)
@@ -235,12 +172,9 @@ class LlamaCppEngine:
         cparams.kv_unified = False
         if options.flash_attn is not None:
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.ctx = ll.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            reason = last_log_error() or "not enough memory?"
-            what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
-            raise EngineError(f"cannot create a context of {what} for '{self.model_info.name}': {reason}",
-                              "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
+        what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
+        self.ctx = new_context(self.model, cparams, f"a context of {what} for '{self.model_info.name}'",
+                               "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
         self.n_slots = n_parallel
         self.n_batch = cparams.n_batch
         # While sequences generate, a step takes at most this many prompt tokens: a long prompt is
@@ -369,7 +303,7 @@ class LlamaCppEngine:
         """The loaded adapter of a GGUF LoRA file (loaded once, kept with the model)."""
         handle = self._adapters.get(path)
         if handle is None:
-            _LOG_TAIL.clear()
+            LOG.clear()
             handle = self.ll.llama_adapter_lora_init(self.model, path.encode())
             if not handle:
                 reason = last_log_error() or "llama.cpp could not load it"

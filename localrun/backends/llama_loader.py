@@ -1,0 +1,155 @@
+"""How localrun opens llama.cpp: the library (with its log routed to a ring buffer), a model file
+and a context, each failure a LocalrunError that names the file and llama.cpp's own reason.
+
+The engine (llama_cpp.py) and the workbench (localrun/workbench/) load models through this one
+module, so they read llama.cpp's log and report its failures the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from localrun.errors import BackendUnavailableError, BadModelFileError, EngineError
+
+_OFFLOAD_RE = re.compile(r"offloaded (\d+/\d+) layers to GPU")
+# llama.cpp logs (at debug level) each tensor an override places: "tensor blk.0.ffn_up_exps.weight
+# (0 MiB f32) buffer type overridden to CPU".
+_OVERRIDE_RE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+BAD_FILE_HINT = "the file may be corrupt or of an architecture this llama.cpp build does not know"
+
+
+@dataclass
+class LlamaLog:
+    """llama.cpp's recent log lines, and what the last model load reported in them."""
+
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    offloaded: str | None = None  # 'N/M' layers on the GPU, if the load offloaded
+    overridden: list[tuple[str, str]] = field(default_factory=list)  # (tensor, buffer type) by override
+
+    def add(self, line: str) -> None:
+        self.tail.append(line)
+        m = _OFFLOAD_RE.search(line)
+        if m:
+            self.offloaded = m.group(1)
+        o = _OVERRIDE_RE.search(line)
+        if o:
+            self.overridden.append((o.group(1), o.group(2)))
+
+    def clear(self) -> None:
+        """Forget earlier lines, so that the next failure's reason is its own."""
+        self.tail.clear()
+        self.offloaded = None
+        self.overridden.clear()
+
+    def last_error(self) -> str:
+        """The last meaningful line llama.cpp logged (often the reason for a failure)."""
+        for line in reversed(self.tail):
+            line = line.strip()
+            if line and ("error" in line.lower() or "failed" in line.lower()):
+                return line
+        return ""
+
+
+LOG = LlamaLog()
+_STATE: dict[str, Any] = {}  # the ctypes log callback (a collected one segfaults) and the library
+
+
+def library() -> Any:
+    """llama-cpp-python's low-level module, with the log sink installed and the backend initialised.
+
+    Raises:
+        BackendUnavailableError: llama-cpp-python is not installed.
+    """
+    ll = _STATE.get("ll")
+    if ll is not None:
+        return ll
+    try:
+        import llama_cpp as ll
+    except ImportError as e:
+        raise BackendUnavailableError(
+            "the llama.cpp engine is not installed (llama-cpp-python is missing)",
+            "pip install llama-cpp-python",
+        ) from e
+
+    @ll.llama_log_callback
+    def sink(level: int, text: bytes, user_data: Any) -> None:
+        if text:
+            LOG.add(text.decode("utf-8", errors="replace"))
+
+    _STATE["sink"] = sink
+    ll.llama_log_set(sink, ctypes.c_void_p(0))
+    ll.llama_backend_init()
+    _STATE["ll"] = ll
+    return ll
+
+
+def last_log_error() -> str:
+    """The last meaningful line llama.cpp logged."""
+    return LOG.last_error()
+
+
+def load_model(path: str, name: str, params: Any) -> Any:
+    """llama_model_load_from_file with these llama_model_params; `name` is how the error shows it.
+
+    Raises:
+        BadModelFileError: llama.cpp could not load the file (its log's reason in the message).
+    """
+    ll = library()
+    LOG.clear()
+    model = ll.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        reason = LOG.last_error() or "llama.cpp could not load it"
+        shown = f"'{name}' ({path})" if name != path else path
+        raise BadModelFileError(f"cannot load model {shown}: {reason}", BAD_FILE_HINT)
+    return model
+
+
+def model_params(gpu_layers: int, *, vocab_only: bool = False, load_mode: int | None = None) -> Any:
+    """llama_model_params: llama.cpp's defaults with these layers on the GPU."""
+    ll = library()
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = gpu_layers
+    params.vocab_only = vocab_only
+    if load_mode is not None:
+        params.load_mode = load_mode
+    return params
+
+
+def new_context(model: Any, params: Any, what: str, hint: str) -> Any:
+    """llama_init_from_model; `what` completes "cannot create ..." when it fails.
+
+    Raises:
+        EngineError: the context could not be created (memory, most often).
+    """
+    ll = library()
+    ctx = ll.llama_init_from_model(model, params)
+    if not ctx:
+        raise EngineError(f"cannot create {what}: {LOG.last_error() or 'not enough memory?'}", hint)
+    return ctx
+
+
+def supports_gpu() -> bool:
+    """Whether this llama.cpp build can offload layers to a GPU."""
+    return bool(library().llama_supports_gpu_offload())
+
+
+def vocab_tokens(ll: Any, vocab: Any, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+    """llama_tokenize with a buffer that grows to the count llama.cpp asks for.
+
+    Raises:
+        EngineError: llama.cpp could not tokenize the text.
+    """
+    n_max = len(data) + 16
+    buf = (ll.llama_token * n_max)()
+    n = ll.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
+    if n < 0:  # -n tokens needed
+        n_max = -n
+        buf = (ll.llama_token * n_max)()
+        n = ll.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
+    if n < 0:
+        raise EngineError(f"llama.cpp could not tokenize the text (code {n})")
+    return list(buf[:n])
