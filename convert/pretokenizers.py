@@ -132,9 +132,9 @@ def split_regexes(pre: dict[str, Any] | None) -> tuple[list[str], list[str]]:
 def derive_pre(tokenizer_json: dict[str, Any], clean_up_spaces: bool | None) -> str:
     """The llama.cpp pre-tokenizer name for a byte-level BPE tokenizer.json, or a ConvertError."""
     regexes, problems = split_regexes(tokenizer_json.get("pre_tokenizer"))
-    normalizer = tokenizer_json.get("normalizer")
-    if normalizer and normalizer.get("type") not in ("NFC",):
-        problems.append(f"normalizer {normalizer.get('type')}")
+    # transformers 4.x writes "no normalizer" as an empty Sequence: only real steps count.
+    problems += [f"normalizer {s.get('type')}" for s in steps(tokenizer_json.get("normalizer"))
+                 if s.get("type") != "NFC"]
     ignore_merges = bool(tokenizer_json.get("model", {}).get("ignore_merges", False))
     candidates = [p for p in PRE_TYPES if p.regexes == tuple(regexes)]
     if problems or not candidates:
@@ -160,12 +160,17 @@ SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def steps(node: Any) -> list[dict[str, Any]]:
-    """The components of a normalizer, pre-tokenizer or decoder, Sequences flattened, in order."""
+    """The components of a normalizer, pre-tokenizer or decoder, Sequences flattened, in order.
+
+    An empty Sequence (nested or not) has no components: it does nothing, as null does.
+    """
     if not isinstance(node, dict):
         return []
-    subs = node.get("normalizers") or node.get("pretokenizers") or node.get("decoders")
-    if node.get("type") == "Sequence" and isinstance(subs, list):
-        return [s for sub in subs for s in steps(sub)]
+    if node.get("type") == "Sequence":
+        for key in ("normalizers", "pretokenizers", "decoders"):
+            subs = node.get(key)
+            if isinstance(subs, list):
+                return [s for sub in subs for s in steps(sub)]
     return [node]
 
 

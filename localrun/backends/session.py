@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from localrun.backends.base import Cancel, Embeddings
-from localrun.backends.channel import Channel, payload_error, raise_payload
+from localrun.backends.channel import payload_error, raise_payload
+from localrun.backends.isolation import Child
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
@@ -35,19 +32,8 @@ class WorkerSession:
         self.backend = backend
         self.model = model
         self.options = options
-        self.stderr_tail: deque[str] = deque(maxlen=50)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "localrun.backends.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            bufsize=0,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
-        self.chan = Channel(self.proc.stdout.fileno(), self.proc.stdin.fileno())
-        self._stderr_thread = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._stderr_thread.start()
+        self.child = Child("localrun.backends.worker", name=f"the {backend} engine")
+        self.proc, self.chan, self.stderr_tail = self.child.proc, self.child.chan, self.child.stderr_tail
         self._send_lock = threading.Lock()
         self._queues: dict[int, queue.SimpleQueue[Any]] = {}
         self._ids = itertools.count(1)
@@ -71,33 +57,10 @@ class WorkerSession:
             event_loop.call_soon_threadsafe(event_loop.add_reader, self.chan.rfd, self._readable)
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr
-        debug = bool(os.environ.get("LOCALRUN_DEBUG"))
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip()
-            self.stderr_tail.append(line)
-            if debug:
-                print(f"[engine] {line}", file=sys.stderr)
-
     def _crashed(self, activity: str) -> EngineCrashedError:
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._stderr_thread.join(timeout=2)
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        reason = ""
-        for line in reversed(self.stderr_tail):
-            if any(k in line for k in ("what()", "terminate called", "error", "Error", "GGML_ASSERT")):
-                reason = line.strip()
-                break
-        detail = f"{how}{': ' + reason if reason else ''}"
-        return EngineCrashedError(
-            f"the {self.backend} engine crashed while {activity} model '{self.model.name}' ({detail})",
-            "the model file may be damaged or unsupported; localrun is still running, try again or another model",
-        )
+        return self.child.crashed(f"{activity} model '{self.model.name}'",
+                                  "the model file may be damaged or unsupported; localrun is still running, "
+                                  "try again or another model")
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         """Route one of the worker's messages to the request waiting for it."""
@@ -324,10 +287,7 @@ class WorkerSession:
                 loop.call_soon_threadsafe(loop.remove_reader, self.chan.rfd)
             except RuntimeError:
                 pass  # the loop has stopped
-        self._stderr_thread.join(timeout=5)  # it ends at EOF; closing its file under it would race
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if f:
-                f.close()
+        self.child.close()
 
     def __del__(self) -> None:
         proc = getattr(self, "proc", None)

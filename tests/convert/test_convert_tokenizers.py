@@ -286,6 +286,43 @@ def test_49152_token_vocabulary_says_it_adds_no_bos(smollm2_export: Path, tmp_pa
     assert llama_probe(out, tokenize=["Hi"])["add_bos"].tolist() == [False]
 
 
+# How each transformers writes "no normalizer" into tokenizer.json: 4.x an empty Sequence, 5.x null.
+NO_NORMALIZER = {
+    "transformers-5": None,
+    "transformers-4.57": {"type": "Sequence", "normalizers": []},
+    "nested": {"type": "Sequence", "normalizers": [{"type": "Sequence", "normalizers": []}]},
+}
+
+
+@pytest.mark.parametrize("how", list(NO_NORMALIZER))
+def test_empty_normalizer_is_no_normalizer(how: str) -> None:
+    from convert.pretokenizers import tokenizer_kind
+
+    tj = _tj(_bytelevel(True)) | {"normalizer": NO_NORMALIZER[how], "decoder": _bytelevel(True)}
+    assert derive_pre(tj, None) == "gpt-2"
+    assert tokenizer_kind(tj) == "byte-level"
+    # A real step inside the same Sequences is still read, and refused
+    lower = {"type": "Sequence", "normalizers": [{"type": "Sequence", "normalizers": []}, {"type": "Lowercase"}]}
+    with pytest.raises(ConvertError, match="with normalizer Lowercase"):
+        derive_pre(tj | {"normalizer": lower}, None)
+
+
+@pytest.mark.parametrize("how", ["transformers-5", "transformers-4.57"])
+def test_smollm2_with_either_exports_normalizer_converts(smollm2_export: Path, tmp_path: Path, how: str) -> None:
+    """SmolLM2's real tokenizer.json with "no normalizer" as each transformers writes it converts,
+    and llama.cpp tokenizes the result as Hugging Face tokenizers does."""
+    tj = _llama_tj(smollm2_export)
+    tj["normalizer"] = NO_NORMALIZER[how]
+    folder = _with_tokenizer_json(smollm2_export, tmp_path / "export", tj)
+    from tokenizers import Tokenizer
+
+    # the export is really written that way (tokenizers keeps an empty Sequence as a Sequence)
+    assert (Tokenizer.from_file(str(folder / "tokenizer.json")).normalizer is None) == (how == "transformers-5")
+    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
+    texts = all_inputs() + _with_specials("<|im_start|>", "<|im_end|>")
+    assert _special_parity(out, folder, texts) == []
+
+
 def _with_tokenizer_json(src: Path, dst: Path, tj: dict) -> Path:
     """The checkpoint at src with another tokenizer.json."""
     shutil.copytree(src, dst)
