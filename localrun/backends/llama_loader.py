@@ -64,11 +64,12 @@ def library() -> Any:
     Raises:
         BackendUnavailableError: llama-cpp-python is not installed.
     """
-    ll = _STATE.get("ll")
-    if ll is not None:
-        return ll
+    if "ll" in _STATE:
+        return _STATE["ll"]
     try:
-        import llama_cpp as ll
+        import llama_cpp
+
+        ll: Any = llama_cpp
     except ImportError as e:
         raise BackendUnavailableError(
             "the llama.cpp engine is not installed (llama-cpp-python is missing)",

@@ -1,9 +1,6 @@
 """Engine isolation: every engine runs in a worker process (this module; the parent side is
-session.py).
-
-A native engine can abort the whole process on a bad file (llama.cpp throws std::out_of_range
-from tokenization, for one), so localrun talks to it over pipes, as Ollama and LM Studio do:
-a crash becomes an EngineCrashedError and the caller keeps running.
+session.py), started and read through isolation.py as every child process of localrun is, so a
+crash becomes an EngineCrashedError and the caller keeps running.
 
 The worker runs the model's engine loop (loop.py); many requests are in flight at once, each
 with its own id. Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "submit" |
@@ -15,12 +12,11 @@ for calls; {"i": id, "error": {...}}; and {"s": [prompt, completion tokens]} (to
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Any
 
 from localrun.backends.channel import Channel, error_payload
+from localrun.backends.isolation import child_channel
 from localrun.errors import EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
@@ -57,10 +53,7 @@ def serve() -> None:
     """The worker's main loop: read requests between engine steps, block when idle."""
     from localrun.backends.loop import EngineLoop
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which cancels
-    proto = os.dup(1)
-    os.dup2(2, 1)  # stray prints from native code must not corrupt the protocol
-    chan = Channel(0, proto)
+    chan = child_channel()
     sink = _PipeSink(chan)
     engine: Any = None
     loop: EngineLoop | None = None
