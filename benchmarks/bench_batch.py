@@ -131,11 +131,14 @@ def main() -> int:
     ours, base = [], []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LOCALRUN_HOME", str(Path(tmp) / "home"))
-        for _ in range(args.rounds):
-            w, n = run_batch(args.model, items, args.tokens, args.parallel, engine, Path(tmp))
-            ours.append((n / w, w, n))
-            w, n = run_loop(path, items, args.tokens, engine)
-            base.append((n / w, w, n))
+        sides = [
+            (ours, lambda: run_batch(args.model, items, args.tokens, args.parallel, engine, Path(tmp))),
+            (base, lambda: run_loop(path, items, args.tokens, engine)),
+        ]
+        for r in range(args.rounds):
+            for results, side in sides if r % 2 == 0 else sides[::-1]:  # who goes first alternates
+                w, n = side()
+                results.append((n / w, w, n))
     o = statistics.median(r[0] for r in ours)
     b = statistics.median(r[0] for r in base)
     ow = statistics.median(r[1] for r in ours)

@@ -127,9 +127,10 @@ def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, fl
     try:
         for fn in contestants.values():  # warm-up: compile, caches
             fn()
-        for _ in range(rounds):
-            for key, fn in contestants.items():
-                timings[key].append(fn())
+        order = list(contestants)
+        for r in range(rounds):
+            for key in order if r % 2 == 0 else order[::-1]:  # who goes first alternates
+                timings[key].append(contestants[key]())
     finally:
         local.close()
         worker.close()

@@ -20,12 +20,9 @@ PROMPT = "The capital of France is"
 
 def baseline_decode(path: str, n_tokens: int, threads: int, gpu_layers: int) -> tuple[float, list[int]]:
     """The loop a user writes on llama-cpp-python's low-level API: greedy, one token per decode."""
-    import llama_cpp as ll
+    from localrun.backends.llama_loader import library
 
-    from localrun.backends.llama_cpp import _install_log_sink
-
-    _install_log_sink(ll)  # the same quiet log sink as localrun, so both do the same work
-    ll.llama_backend_init()
+    ll = library()  # llama-cpp-python with the same quiet log sink as localrun, so both do the same work
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = gpu_layers
     model = ll.llama_model_load_from_file(path.encode(), mp)
@@ -123,9 +120,14 @@ def main() -> int:
     threads = args.threads or default_threads()
     base, ours = [], []
     info: dict = {}
-    for _ in range(args.rounds):
-        b, n_base = baseline_isolated(path, args.tokens, threads, args.gpu_layers)
-        o, n, info = localrun_decode(args.model, args.tokens, threads, args.gpu_layers if args.gpu_layers >= 0 else "auto")  # type: ignore[arg-type]
+    ours_layers = args.gpu_layers if args.gpu_layers >= 0 else "auto"
+    for r in range(args.rounds):
+        # Who goes first alternates, so neither side always meets the machine as the other left it.
+        if r % 2 == 0:
+            b, n_base = baseline_isolated(path, args.tokens, threads, args.gpu_layers)
+        o, n, info = localrun_decode(args.model, args.tokens, threads, ours_layers)  # type: ignore[arg-type]
+        if r % 2 == 1:
+            b, n_base = baseline_isolated(path, args.tokens, threads, args.gpu_layers)
         if n != n_base:
             print(f"warning: baseline made {n_base} tokens, localrun {n}", file=sys.stderr)
         base.append(b)

@@ -20,7 +20,9 @@ default it cuts concurrent streams short.
 Measures, the median over rounds: aggregate tok/s (tokens delivered / wall time of the level),
 time to first token p50/p95 (request sent -> first content chunk), per-stream decode tok/s
 ((content chunks - 1) / (last chunk - first chunk), as bench_run.py times `localrun run`), tokens
-delivered (usage.completion_tokens where the server sends it, else content chunks).
+delivered. Every server's tokens are counted the same way, from the client's side: the content
+each stream delivered, tokenized with the model's own vocabulary (a server's own usage figure is
+kept in the JSON, never used to rank it).
 
 Targets (medians of per-round ratios): at 16 clients localrun >= 1.8x llama-cpp-python's server
 and >= 1.0x llama-server in aggregate tok/s; at 1 client localrun serve's decode >= 0.97x
@@ -81,14 +83,14 @@ class Result:
     server: str
     clients: int
     requests: int
-    tokens: int  # delivered: usage where sent, else content chunks
+    tokens: int  # delivered: the streams' content tokenized with the model's vocabulary, for every server
     chunks: int
     wall_s: float
     tok_s: float
     ttft_p50: float
     ttft_p95: float
     decode_tok_s: float  # per stream, median over requests
-    usage_reported: bool
+    usage_tokens: int | None  # what the server's usage said, where every stream reported it
     finish_reasons: dict[str, int]
 
 
@@ -233,10 +235,11 @@ class Server:
 # ---- clients ---------------------------------------------------------------------------------
 
 async def one_request(client: Any, cfg: Config, i: int, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat completion: send time, content-chunk times, usage, finish reason."""
+    """One streamed chat completion: send time, content-chunk times, content, usage, finish reason."""
     body = {"model": cfg.model, "messages": messages(i), "stream": True, "max_tokens": max_tokens,
             "temperature": 0, "stream_options": {"include_usage": True}}
     stamps: list[float] = []
+    parts: list[str] = []
     usage = None
     finish = "none"
     t0 = time.perf_counter()
@@ -254,10 +257,24 @@ async def one_request(client: Any, cfg: Config, i: int, max_tokens: int) -> dict
             if chunk.get("usage"):
                 usage = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
+                if content := (choice.get("delta") or {}).get("content"):
                     stamps.append(time.perf_counter())
+                    parts.append(content)
                 finish = choice.get("finish_reason") or finish
-    return {"t0": t0, "end": time.perf_counter(), "stamps": stamps, "usage": usage, "finish": finish}
+    return {"t0": t0, "end": time.perf_counter(), "stamps": stamps, "text": "".join(parts), "usage": usage,
+            "finish": finish}
+
+
+_VOCABS: dict[str, Any] = {}
+
+
+def count_tokens(path: str, text: str) -> int:
+    """Tokens in text by the model's own vocabulary: how every stream's delivery is counted."""
+    if path not in _VOCABS:
+        from llama_cpp import Llama
+
+        _VOCABS[path] = Llama(model_path=path, vocab_only=True, verbose=False)
+    return len(_VOCABS[path].tokenize(text.encode("utf-8"), add_bos=False, special=False)) if text else 0
 
 
 async def run_level(server: Server, clients: int) -> Result:
@@ -279,8 +296,8 @@ async def run_level(server: Server, clients: int) -> Result:
     reqs = [r for rs in per_client for r in rs]
     start, end = min(r["t0"] for r in reqs), max(r["end"] for r in reqs)
     chunks = sum(len(r["stamps"]) for r in reqs)
-    reported = all(r["usage"] is not None for r in reqs)
-    tokens = sum(r["usage"] if r["usage"] is not None else len(r["stamps"]) for r in reqs)
+    tokens = sum(count_tokens(cfg.path, r["text"]) for r in reqs)
+    usage = sum(r["usage"] for r in reqs) if all(r["usage"] is not None for r in reqs) else None
     ttft = [r["stamps"][0] - r["t0"] for r in reqs if r["stamps"]]
     rates = [(len(s) - 1) / (s[-1] - s[0]) for s in (r["stamps"] for r in reqs) if len(s) > 1 and s[-1] > s[0]]
     finishes: dict[str, int] = {}
@@ -288,7 +305,7 @@ async def run_level(server: Server, clients: int) -> Result:
         finishes[r["finish"]] = finishes.get(r["finish"], 0) + 1
     wall = end - start
     return Result(server.name, clients, len(reqs), tokens, chunks, wall, tokens / wall, percentile(ttft, 50),
-                  percentile(ttft, 95), statistics.median(rates) if rates else 0.0, reported, finishes)
+                  percentile(ttft, 95), statistics.median(rates) if rates else 0.0, usage, finishes)
 
 
 def measure_server(name: str, cfg: Config) -> list[Result]:
@@ -329,7 +346,7 @@ def measure_run(cfg: Config) -> Result:
     gl: int | str = cfg.gpu_layers if cfg.gpu_layers is not None else "auto"
     session = api.load(cfg.model, LoadOptions(n_ctx=cfg.ctx, n_threads=cfg.threads, flash_attn=fa, gpu_layers=gl))
     params = GenerationParams(temperature=0, max_tokens=cfg.tokens)
-    rates, ttft, tokens, chunks = [], [], 0, 0
+    rates, ttft, tokens, chunks, usage = [], [], 0, 0, 0
     finishes: dict[str, int] = {}
     try:
         for _ in session.stream(Request.chat(messages(WARM_UP)), GenerationParams(temperature=0, max_tokens=8)):
@@ -338,16 +355,19 @@ def measure_run(cfg: Config) -> Result:
         t_start = time.perf_counter()
         for i in range(base, base + cfg.requests_per_client):
             stamps: list[float] = []
+            parts: list[str] = []
             t0 = time.perf_counter()
             for chunk in session.stream(Request.chat(messages(i)), params):
                 if chunk.done:
-                    tokens += chunk.completion_tokens
+                    usage += chunk.completion_tokens
                     reason = chunk.finish_reason or "none"
                     finishes[reason] = finishes.get(reason, 0) + 1
                     break
                 if chunk.text:
                     stamps.append(time.perf_counter())
+                    parts.append(chunk.text)
             chunks += len(stamps)
+            tokens += count_tokens(cfg.path, "".join(parts))
             if stamps:
                 ttft.append(stamps[0] - t0)
             if len(stamps) > 1:
@@ -356,7 +376,7 @@ def measure_run(cfg: Config) -> Result:
     finally:
         session.close()
     return Result(RUN, 1, cfg.requests_per_client, tokens, chunks, wall, tokens / wall, percentile(ttft, 50),
-                  percentile(ttft, 95), statistics.median(rates) if rates else 0.0, True, finishes)
+                  percentile(ttft, 95), statistics.median(rates) if rates else 0.0, usage, finishes)
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -461,8 +481,11 @@ def main() -> int:
         rounds.append(rnd)
     med, ratios = summarize(rounds)
     print_table(cfg, names, med, ratios, args.rounds)
-    counted = {r.server: "usage" if r.usage_reported else "content chunks" for rnd in rounds for r in rnd}
-    print("tokens delivered counted from: " + "; ".join(f"{k} {v}" for k, v in counted.items()))
+    reported = {name: [(r.tokens, r.usage_tokens) for rnd in rounds for r in rnd if r.server == name] for name in turns}
+    print("tokens delivered: every stream's content tokenized with the model's vocabulary, for every server alike;"
+          " the servers' own usage said: " + "; ".join(
+              f"{k} {sum(u for _, u in v if u is not None)} (counted here {sum(t for t, _ in v)})"
+              if all(u is not None for _, u in v) else f"{k} (no usage sent)" for k, v in reported.items()))
     if args.json:
         out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                "rounds": [[asdict(r) for r in rnd] for rnd in rounds],
