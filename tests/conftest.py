@@ -60,9 +60,22 @@ def skip_or_fail(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+# The reason of the skip (or xfail) marker pytest puts on a test whose parameter list is empty.
+EMPTY_PARAMETERS = "got empty parameter set"
+
+
+def _empty_parameters(item: pytest.Item) -> bool:
+    """Whether pytest marked this test for an empty parameter list (e.g. a glob that found nothing)."""
+    return any(str(mark.kwargs.get("reason", "")).startswith(EMPTY_PARAMETERS)
+               for name in ("skip", "xfail") for mark in item.iter_markers(name))
+
+
 def _declared_skip(item: pytest.Item) -> bool:
-    """A skip the test declares: an expected_skip marker, or a skip/skipif marker whose condition holds."""
-    if item.get_closest_marker("expected_skip") is not None or item.get_closest_marker("skip") is not None:
+    """A skip the test declares: an expected_skip marker, or a skipif marker whose condition holds.
+
+    A bare skip marker declares nothing (it is also what pytest adds for an empty parameter list).
+    """
+    if item.get_closest_marker("expected_skip") is not None:
         return True
     for mark in item.iter_markers("skipif"):
         condition = mark.args[0] if mark.args else mark.kwargs.get("condition", True)
@@ -76,8 +89,15 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report: pytest.TestReport = yield
-    if report.skipped and strict() and not hasattr(report, "wasxfail") and not _declared_skip(item):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not (report.skipped and strict()):
+        return report
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if _empty_parameters(item):
+        if hasattr(report, "wasxfail"):  # empty_parameter_set_mark = xfail
+            del report.wasxfail
+        report.outcome = "failed"
+        report.longrepr = f"an empty parameter list under {STRICT}=1 (its cases were not found): {reason}"
+    elif not hasattr(report, "wasxfail") and not _declared_skip(item):
         report.outcome = "failed"
         report.longrepr = f"unexpected skip under {STRICT}=1: {reason}"
     return report
