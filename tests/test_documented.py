@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 GREEDY = ["--temperature", "0", "--max-tokens", "6"]
 
@@ -24,7 +29,47 @@ def test_raw_with_a_system_prompt_is_the_system_paragraph_then_the_prompt(cli) -
     assert with_system["prompt_tokens"] == by_hand["prompt_tokens"] > bare["prompt_tokens"]
 
 
-def test_engine_flags_reach_the_engine(cli) -> None:  # noqa: ANN001
+@dataclass(frozen=True)
+class LoadReport:
+    """What llama.cpp itself reported about a load: its log, and the context's threads by its getters."""
+
+    log: list[str]
+    threads: tuple[int, int]  # llama_n_threads, llama_n_threads_batch
+
+    def setting(self, key: str) -> set[str]:
+        """The values of a context parameter in llama.cpp's "llama_context: key = value" lines."""
+        found = (re.match(rf"llama_context: {key}\s+= (\S+)", line) for line in self.log)
+        return {m.group(1) for m in found if m}
+
+    def layer_devices(self) -> list[str]:
+        """The device llama.cpp assigned each layer to ("load_tensors: layer 3 assigned to device CPU")."""
+        found = (re.match(r"load_tensors: layer\s+\d+ assigned to device (\S+?),", line) for line in self.log)
+        return [m.group(1) for m in found if m]
+
+    def flash_attention_in_graph(self) -> bool:
+        """Whether the graph llama.cpp reserved computes attention with its flash-attention kernel."""
+        return any("(FLASH_ATTN_EXT)" in line for line in self.log)
+
+
+def _load_report(monkeypatch: pytest.MonkeyPatch, *flags: str) -> LoadReport:
+    """Load the starter with the LoadOptions the CLI makes of these flags and keep llama.cpp's whole log."""
+    from localrun import api
+    from localrun.backends import llama_loader
+    from localrun.backends.llama_cpp import LlamaCppBackend
+    from localrun.cli import build_parser
+    from localrun.cli.options import load_options_from_args
+
+    options = load_options_from_args(build_parser().parse_args(["run", "smollm2:135m", "Hi", *flags]))
+    monkeypatch.setattr(llama_loader.LOG, "tail", deque())  # every line of this load, not the last 40
+    engine = LlamaCppBackend().load(api.get_model("smollm2:135m"), options)
+    try:
+        ll = llama_loader.library()
+        return LoadReport(list(llama_loader.LOG.tail), (ll.llama_n_threads(engine.ctx), ll.llama_n_threads_batch(engine.ctx)))
+    finally:
+        engine.close()
+
+
+def test_engine_flags_reach_the_engine(cli, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     one = cli("run", "smollm2:135m", "Hi", "--raw", "--verbose", "--threads", "1", "--ctx", "512", *GREEDY)
     assert one.returncode == 0, one.stderr
     assert "1 threads, context 512" in one.stderr
@@ -37,6 +82,22 @@ def test_engine_flags_reach_the_engine(cli) -> None:  # noqa: ANN001
     assert texts == {"Paris"}, texts  # the same answer whatever the attention kernel and offload
     bad = cli("run", "smollm2:135m", "Hi", "--gpu-layers", "some")
     assert bad.returncode == 2 and "--gpu-layers" in bad.stderr
+
+    # What llama.cpp itself reports of each load: threads by its getters, the context and the
+    # attention setting from its context report, the graph's attention kernel, each layer's device.
+    report = _load_report(monkeypatch, "--threads", "1", "--ctx", "512")
+    assert report.threads == (1, 1) and report.setting("n_ctx_seq") == {"512"}, report.setting("n_ctx_seq")
+    assert _load_report(monkeypatch, "--threads", "2").threads == (2, 2)
+    on, off = _load_report(monkeypatch, "--flash-attn", "on"), _load_report(monkeypatch, "--flash-attn", "off")
+    assert on.setting("flash_attn") == {"enabled"} and on.flash_attention_in_graph()
+    assert off.setting("flash_attn") == {"disabled"} and not off.flash_attention_in_graph()
+    assert _load_report(monkeypatch, "--flash-attn", "auto").setting("flash_attn") == {"auto"}
+    from localrun.backends.llama_loader import supports_gpu
+
+    layers = 31  # the starter's 30 blocks and its output layer
+    assert _load_report(monkeypatch, "--gpu-layers", "0").layer_devices() == ["CPU"] * layers
+    devices = _load_report(monkeypatch, "--gpu-layers", "99").layer_devices()
+    assert len(devices) == layers and ("CPU" not in devices if supports_gpu() else set(devices) == {"CPU"}), devices
 
 
 def test_localrun_debug_shows_the_traceback_and_only_then(cli) -> None:  # noqa: ANN001
