@@ -1,0 +1,62 @@
+"""Variant families: a family is one module with one registered class, found without being listed,
+tried in its declared order; every tool-call family module registers its format."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from localrun import tools
+from localrun.families import Families
+from localrun.tools.base import FAMILIES, ToolFormat
+
+FAMILY = '''
+from families_probe import REGISTRY
+
+@REGISTRY.register({order})
+class {name}:
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return {test}
+'''
+
+
+def test_every_tool_family_module_registers_its_format() -> None:
+    registered = FAMILIES.all()
+    defined = []
+    for info in pkgutil.iter_modules(tools.__path__):
+        module = importlib.import_module(f"localrun.tools.{info.name}")
+        defined += [obj for obj in vars(module).values() if isinstance(obj, type)
+                    and issubclass(obj, ToolFormat) and obj is not ToolFormat and obj.__module__ == module.__name__]
+    assert sorted(c.__name__ for c in defined) == sorted(c.__name__ for c in registered)
+    assert len(registered) == 6
+    assert registered[-1].__name__ == "Generic"  # it takes any template: tried last
+
+
+def test_a_new_family_module_is_found_and_tried_in_its_order(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "families_probe"
+    root.mkdir()
+    (root / "__init__.py").write_text("from localrun.families import Families\n"
+                                      "REGISTRY = Families('families_probe')\n")
+    (root / "fallback.py").write_text(FAMILY.format(order=100, name="Fallback", test="True"))
+    (root / "think.py").write_text(FAMILY.format(order=10, name="Think", test="'<think>' in template"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        registry: Families = importlib.import_module("families_probe").REGISTRY
+        assert registry.find("a <think> b").__name__ == "Think"
+        assert registry.find("plain").__name__ == "Fallback"
+        assert [c.__name__ for c in registry.all()] == ["Think", "Fallback"]
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "families_probe"]:
+            del sys.modules[name]
+
+
+def test_a_template_no_family_takes_is_an_error() -> None:
+    empty = Families("localrun.tools")  # the modules register with FAMILIES, not with this one
+    with pytest.raises(LookupError, match="no family of localrun.tools recognizes"):
+        empty.find("<tool_call>")
