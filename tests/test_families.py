@@ -57,6 +57,6 @@ def test_a_new_family_module_is_found_and_tried_in_its_order(tmp_path: Path,
 
 
 def test_a_template_no_family_takes_is_an_error() -> None:
-    empty = Families("localrun.tools")  # the modules register with FAMILIES, not with this one
+    empty: Families[ToolFormat] = Families("localrun.tools")  # the modules register with FAMILIES, not with this one
     with pytest.raises(LookupError, match="no family of localrun.tools recognizes"):
         empty.find("<tool_call>")

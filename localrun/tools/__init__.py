@@ -11,22 +11,19 @@ the calls back. `ToolPlan` ties them together for one request.
 
 from __future__ import annotations
 
-from localrun.tools.base import ToolFormat, detect_format, register
+from localrun.tools.base import ToolFormat, detect_format
 from localrun.tools.lark import resolve_specials
 from localrun.tools.plan import ToolPlan
-from localrun.tools.request import CHOICES, normalize_choice, parse_tools
-from localrun.tools.stream import Event, ToolCall, ToolStreamer
+from localrun.tools.request import normalize_choice, parse_tools
+from localrun.tools.stream import Event, ToolCall
 
 __all__ = [
-    "CHOICES",
     "Event",
     "ToolCall",
     "ToolFormat",
     "ToolPlan",
-    "ToolStreamer",
     "detect_format",
     "normalize_choice",
     "parse_tools",
-    "register",
     "resolve_specials",
 ]
