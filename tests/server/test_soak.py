@@ -1,7 +1,8 @@
 """A bounded soak of the server: 64 concurrent clients send a fixed number of mixed requests
 (streamed and not; chat, completion and embeddings in both API families; some clients leave
 mid-stream) to one model with 4 sequences and a queue of 32. Every request is answered or refused
-with 503 in its API's shape, none hangs or fails with a 500, each client that left is cancelled,
+with 503 in its API's shape, none hangs or fails with a 500, every client set to leave leaves after
+its first streamed text (refused, it comes back once a request has ended) and is cancelled,
 memory after the run is what it was after a warm-up round, and every sequence is free at the end."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import gc
 import json
 import os
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -31,7 +33,8 @@ TOKENS = 6
 COUNTING = "1, 2, 3, 4, 5, 6,"  # the model keeps counting: a reply that lasts until it is stopped
 LONG = 200  # a leaving client's budget, far more than it reads: only the cancel can end its reply
 # Only a request that never ends trips this (there is no timing assert): httpx's per-read timeout.
-HANG_GUARD = httpx.Timeout(180)
+HANG_GUARD_S = 180
+HANG_GUARD = httpx.Timeout(HANG_GUARD_S)
 # A leak of a request's buffers, chunks or KV cache grows memory with every request; the first
 # round has already filled the allocator's arenas, the engine's KV cache and every lazy cache
 # (templates, schemas, connections), so after it memory stays flat up to allocator noise. The
@@ -84,7 +87,7 @@ KINDS = [
 class Outcome:
     kind: str
     status: int
-    left: bool = False  # the client read the first chunk of a 200 stream, then closed it
+    left: bool = False  # the client read generated text from an unfinished 200 stream, then closed it
 
 
 # -- what a client accepts --------------------------------------------------------------------
@@ -146,8 +149,7 @@ async def _send(http: httpx.AsyncClient, kind: Kind) -> Outcome:
                 _check_refusal(kind, res.json())
                 return Outcome(kind.name, res.status_code)
             if kind.mode == "leave":
-                first = await anext(_nonblank(res))
-                assert "error" not in first, first
+                await _read_until_text(kind, res)
                 return Outcome(kind.name, 200, left=True)  # leaving the block closes the connection
             _check_stream(kind, [line async for line in _nonblank(res)])
             return Outcome(kind.name, 200)
@@ -161,15 +163,60 @@ async def _nonblank(res: httpx.Response) -> Any:
             yield line
 
 
+async def _read_until_text(kind: Kind, res: httpx.Response) -> None:
+    """A leaving client's reading: up to the first event that carries generated text, which must
+    not be the stream's last (the client then leaves mid-stream, not after the end)."""
+    async for line in _nonblank(res):
+        event = json.loads(line.removeprefix("data: ")) if kind.path.startswith("/v1/") else json.loads(line)
+        assert "error" not in event, (kind.name, event)
+        if kind.path.startswith("/v1/"):
+            [choice] = event["choices"]
+            text, last = choice["text"], choice["finish_reason"] is not None
+        else:
+            text, last = event["response"], event["done"]
+        assert not last, (kind.name, event)
+        if text:
+            return
+    raise AssertionError(f"a '{kind.name}' stream ended before any text")
+
+
+def _plan(n: int) -> list[Kind]:
+    """A round's requests: the mix, in turn."""
+    return [KINDS[i % len(KINDS)] for i in range(n)]
+
+
 async def _round(url: str, n: int) -> list[Outcome]:
-    """n requests of the mix (in turn), taken by CLIENTS concurrent clients, each on its own connection."""
-    plan = deque(KINDS[i % len(KINDS)] for i in range(n))
+    """n requests of the mix (in turn), taken by CLIENTS concurrent clients, each on its own connection.
+
+    A client set to leave that is refused (503, before any stream) sends again once another request
+    has ended and freed a place, so every planned leaver is seen leaving mid-stream; its refusals are
+    outcomes too (each is a request the server answered).
+    """
+    plan = deque(_plan(n))
     outcomes: list[Outcome] = []
+    ended = 0  # requests of this round that were answered or left (their place is then freed)
+    changed = asyncio.Condition()
+
+    def ended_since(mark: int) -> Callable[[], bool]:
+        return lambda: ended > mark
 
     async def client() -> None:
+        nonlocal ended
         async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD) as http:
             while plan:
-                outcomes.append(await _send(http, plan.popleft()))
+                kind = plan.popleft()
+                while True:
+                    before = ended
+                    outcome = await _send(http, kind)
+                    outcomes.append(outcome)
+                    if outcome.status == 200:
+                        async with changed:
+                            ended += 1
+                            changed.notify_all()
+                    if outcome.status == 200 or kind.mode != "leave":
+                        break
+                    async with changed:  # refused while every place was taken: one of them ends later
+                        await asyncio.wait_for(changed.wait_for(ended_since(before)), HANG_GUARD_S)
 
     await asyncio.gather(*(client() for _ in range(CLIENTS)))
     return outcomes
@@ -191,10 +238,16 @@ def _soak_round(s: Served) -> list[Outcome]:
     """One round, and its access log checked against what the clients saw."""
     mark = s.records.mark()
     outcomes = asyncio.run(_round(s.url, ROUND))
-    assert len(outcomes) == ROUND
-    s.records.wait(lambda r: True, since=mark + ROUND - 1)  # one record per request, the last included
+    # Every planned request had one final outcome; leavers were sent again after a refusal, and
+    # each of them left mid-stream.
+    leaving = {k.name for k in KINDS if k.mode == "leave"}
+    final = [o.kind for o in outcomes if o.kind not in leaving or o.left]
+    assert Counter(final) == Counter(k.name for k in _plan(ROUND)), Counter(final)
+    assert all(o.left == (o.kind in leaving and o.status == 200) for o in outcomes)
+    n = len(outcomes)
+    s.records.wait(lambda r: True, since=mark + n - 1)  # one record per request, the last included
     records = s.records.items[mark:]
-    assert len(records) == ROUND, [r.line() for r in records]
+    assert len(records) == n, [r.line() for r in records]
     assert Counter(r.status for r in records) == Counter(o.status for o in outcomes)
     assert {r.status for r in records} <= {200, 503}, [r.line() for r in records if r.status not in (200, 503)]
     # Each client that left mid-stream was cancelled (not ended by its budget), and only those.
@@ -243,8 +296,9 @@ def test_soak_mixed_clients_all_answered_no_leak_all_sequences_free() -> None:
         measured = [o for _ in range(MEASURED_ROUNDS) for o in _soak_round(s)]
         after = _memory(pid)
         everything = warm + measured
+        left = sum(o.left for o in everything)
         print(f"soak: {len(everything)} requests, {sum(o.status == 503 for o in everything)} refused, "
-              f"{sum(o.left for o in everything)} left mid-stream; RSS after warm-up -> after: "
+              f"{left} left mid-stream; RSS after warm-up -> after: "
               f"server {before[0] / 2**20:.1f} -> {after[0] / 2**20:.1f} MB, "
               f"engine {before[1] / 2**20:.1f} -> {after[1] / 2**20:.1f} MB")
 
@@ -267,9 +321,10 @@ def test_soak_mixed_clients_all_answered_no_leak_all_sequences_free() -> None:
         expires = datetime.fromisoformat(model["expires_at"].replace("Z", "+00:00"))
         assert expires < datetime.now(expires.tzinfo) + timedelta(days=1), model
         assert [m.pid for m in s.pool.loaded()] == [pid]
-        sent = ROUND * (1 + MEASURED_ROUNDS) + 3  # the rounds, the chat, the n-choice stream, /api/ps
+        sent = len(everything) + 3  # the rounds, the chat, the n-choice stream, /api/ps
         s.records.wait(lambda r: r.path == "/api/ps", since=mark + 2)
         assert len(s.records.items) == sent, [r.line() for r in s.records.items[-5:]]
-    reliability.inputs("soak request", len(everything))
-    leaving = {k.name for k in KINDS if k.mode == "leave"}
-    reliability.fault("dropped client", "served streams", sum(o.kind in leaving for o in everything))
+    # The planned requests (a leaver's refusals before it got its stream are not counted again),
+    # and the clients seen leaving mid-stream, each asserted cancelled in its round's log.
+    reliability.inputs("soak request", ROUND * (1 + MEASURED_ROUNDS))
+    reliability.fault("dropped client", "served streams", left)
