@@ -98,8 +98,7 @@ def with_localrun(f16: Path, cal: Path, text: Path, work: Path, ctx: int, chunks
 
 def ladder(kind: str, rounds: int, threads: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from localrun.backends.llama_imatrix import default_calibration
-    from localrun.ladder import default_text
+    from localrun.workbench.texts import default_calibration, default_text
 
     with tempfile.TemporaryDirectory(prefix="bench-ladder-") as d:
         work = Path(d)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     text = a.text
     if text is None:
-        from localrun.backends.llama_imatrix import default_calibration
+        from localrun.workbench.texts import default_calibration
 
         text = work / "calibration.txt"
         text.write_text(default_calibration()[0])

@@ -106,8 +106,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from localrun import api
-    from localrun.backends.llama_bench import physical_cores
     from localrun.store import starter_model_path
+    from localrun.workbench.bench import physical_cores
 
     path = api.get_model(args.model).path if args.model else str(starter_model_path())
     threads = args.threads or physical_cores()

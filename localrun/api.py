@@ -690,6 +690,128 @@ def batch_on_cluster(model: ModelInfo, rows: list[Any], params: GenerationParams
                        summary=summary)
 
 
+# -- the workbench: bench, eval, imatrix, the quantization ladder (localrun/workbench/) ---------------
+if TYPE_CHECKING:
+    from localrun.workbench.bench import BenchChoices, BenchRecord, BenchSpec
+    from localrun.workbench.bench import Progress as BenchProgress
+    from localrun.workbench.imatrix import ImatrixSummary
+    from localrun.workbench.imatrix import ProgressCallback as ImatrixProgress
+    from localrun.workbench.ladder import Ladder
+    from localrun.workbench.ladder import Progress as LadderProgress
+    from localrun.workbench.perplexity import EvalResult
+    from localrun.workbench.perplexity import Progress as EvalProgress
+
+
+def _gguf_model(name_or_path: str, command: str) -> ModelInfo:
+    """The installed GGUF model (or file) that a workbench command measures."""
+    model = get_model(name_or_path)
+    if model.format != "gguf":
+        raise UsageError(f"model '{model.name}' is {model.format}; {command} runs GGUF models on llama.cpp",
+                         f"pick a GGUF model (see 'localrun list'), or convert it with 'localrun convert {model.path}'")
+    return model
+
+
+def bench_choices() -> BenchChoices:
+    """The values llama-bench accepts for the KV cache types and load modes."""
+    from localrun.workbench.bench import BenchChoices
+
+    return BenchChoices()
+
+
+def bench_spec(models: Sequence[str], **settings: Any) -> BenchSpec:
+    """The benchmark of these models (names or .gguf paths) with llama-bench's settings.
+
+    Args:
+        models: installed model names or GGUF paths.
+        settings: BenchSpec's fields (n_prompt, n_gen, n_threads, ... as tuples; repetitions, warmup).
+
+    Raises:
+        ModelNotFoundError: a model is not installed. UsageError: a model is not GGUF, or a setting
+        llama-bench would reject.
+    """
+    from localrun.workbench.bench import BenchSpec
+
+    resolved = [_gguf_model(m, "bench") for m in models]
+    return BenchSpec(models=tuple(m.path for m in resolved), names=tuple(m.name for m in resolved), **settings)
+
+
+def benchmark(spec: BenchSpec, progress: BenchProgress | None = None) -> Iterator[BenchRecord]:
+    """Measure every test of spec as llama-bench does, in a child process; yields each record as
+    its test ends.
+
+    Args:
+        spec: from bench_spec.
+        progress: called with a line on each step ("bench 2/4 (tg128, 'x', 2 threads): run 3/5").
+
+    Raises:
+        BadModelFileError: llama.cpp cannot load a model. EngineError: a context or decode failed.
+        EngineCrashedError: llama.cpp crashed; the caller keeps running.
+    """
+    from localrun.workbench.bench import iter_bench_isolated
+
+    return iter_bench_isolated(spec, progress)
+
+
+def evaluate(model: str, text: str | os.PathLike[str], reference: str | None = None, *, n_ctx: int = 512,
+             chunks: int | None = None, n_batch: int = 2048, threads: int | None = None, use_cache: bool = True,
+             progress: EvalProgress | None = None) -> EvalResult:
+    """Perplexity of a model on a text as llama-perplexity scores it; with a reference (the same
+    tokenizer), also the KL divergence and top-token agreement. Runs in a child process.
+
+    Args:
+        model, reference: installed model names or GGUF paths.
+        text: the text file to score.
+        n_ctx, chunks, n_batch, threads: llama-perplexity's -c, --chunks, -b, -t.
+        use_cache: reuse the reference's logits from an earlier run.
+        progress: called as chunks are scored.
+
+    Returns:
+        EvalResult whose model (and divergence.reference) are the store names, with their files.
+
+    Raises:
+        UsageError: bad settings, a text too short, a model that is not GGUF.
+        BadModelFileError: a file llama.cpp cannot load, or vocabularies that differ.
+        EngineCrashedError: llama.cpp crashed; the caller keeps running.
+    """
+    from localrun.workbench.perplexity import EvalWorker
+
+    with EvalWorker() as worker:  # it loads llama.cpp while the models are looked up
+        m = _gguf_model(model, "eval")
+        ref = _gguf_model(reference, "eval") if reference is not None else None
+        result = worker.run(m.path, text, ref.path if ref else None, n_ctx=n_ctx, chunks=chunks, n_batch=n_batch,
+                            threads=threads, use_cache=use_cache, progress=progress)
+    d = result.divergence
+    if d is not None and ref is not None:
+        d = dataclasses.replace(d, reference=ref.name, reference_path=ref.path)
+    return dataclasses.replace(result, model=m.name, model_path=m.path, divergence=d)
+
+
+def compute_imatrix(model: str, calibration: str | os.PathLike[str] | None, out: str | os.PathLike[str], *,
+                    n_ctx: int = 512, chunks: int | None = None, threads: int | None = None,
+                    progress: ImatrixProgress | None = None,
+                    dataset: str | None = None) -> ImatrixSummary:
+    """Compute a model's importance matrix on calibration text (llama-imatrix's file), in a child process.
+
+    Args:
+        model: an installed model name or a GGUF path.
+        calibration: a text file, or None for localrun's default set.
+        out: the .gguf to write (under a temporary name, renamed when complete).
+        n_ctx, chunks, threads: tokens per chunk, at most this many chunks, CPU threads.
+        progress: called as chunks finish.
+        dataset: the name recorded in the file (default: the calibration's description).
+
+    Raises:
+        UsageError: too little text, bad settings, a model that is not GGUF.
+        BadModelFileError: llama.cpp cannot load the model. EngineCrashedError: llama.cpp crashed.
+    """
+    from localrun.workbench import imatrix
+
+    m = _gguf_model(model, "imatrix")
+    cal = Path(calibration) if calibration is not None else None
+    return imatrix.compute_imatrix(m.path, cal, out, n_ctx=n_ctx, chunks=chunks, threads=threads,
+                                   progress=progress, dataset=dataset)
+
+
 def quantize_ladder(
     source: str | os.PathLike[str],
     types: list[str],
@@ -704,8 +826,8 @@ def quantize_ladder(
     chunks: int | None = None,
     bench: tuple[int, int, int] = (512, 128, 3),
     threads: int | None = None,
-    progress: Any = None,
-) -> Any:
+    progress: LadderProgress | None = None,
+) -> Ladder:
     """Quantize SOURCE to every type in `types`, measure each rung and register it.
 
     Args:
@@ -714,78 +836,38 @@ def quantize_ladder(
         out_dir: where the rungs, the reference, the imatrix and the report go (default: beside
             the source, `<name>-ladder/`).
         imatrix: "auto" (computed once from `calibration`, or localrun's default set), a file, or None.
-        text: the evaluation text (default: localrun's held-out set, see ladder.default_text).
+        text: the evaluation text (default: localrun's held-out set, see workbench.texts.default_text).
         budget: the mean KLD the recommended rung may lose (default ladder.DEFAULT_BUDGET).
         name: the store family of the rungs (`name:q4_k_m`; default from the source).
         bench: (prompt tokens, generated tokens, repetitions) of each rung's speed test.
-        progress: called with a ladder.Step at each step (str() of it is a line of text).
+        progress: called with a ladder Step at each step (str() of it is a line of text).
 
     Returns:
-        ladder.Ladder, whose report is written to out_dir as report.md and report.json.
+        The Ladder, whose report is written to out_dir as report.md and report.json.
     """
-    from pathlib import Path as _P
-
-    from localrun import ladder as lad
-    from localrun.backends.llama_bench import BenchSpec, run_bench_isolated, summary
-    from localrun.backends.llama_eval import evaluate_in_worker
-    from localrun.backends.llama_imatrix import compute_imatrix
     from localrun.store import name_from_filename
+    from localrun.workbench import ladder as lad
 
-    src = _P(source).expanduser().resolve()
+    src = Path(source).expanduser().resolve()
     if not src.exists():
         raise UsageError(f"{src} does not exist", "pass a Hugging Face checkpoint folder or an F16/BF16 GGUF")
     family = (name or name_from_filename(src).split(":")[0]).split(":")[0]
-    out = _P(out_dir) if out_dir is not None else src.parent / f"{src.stem if src.is_file() else src.name}-ladder"
+    out = Path(out_dir) if out_dir is not None else src.parent / f"{src.stem if src.is_file() else src.name}-ladder"
     out.mkdir(parents=True, exist_ok=True)
-    if text is None:
-        body, description = lad.default_text()
-        text_path = out / "eval-text.txt"
-        if not text_path.exists() or text_path.read_text(encoding="utf-8") != body:
-            text_path.write_text(body, encoding="utf-8")
-        if progress:
-            progress(lad.Step(f"evaluation text: {description}"))
-    else:
-        text_path = _P(text)
-    cal = _P(calibration) if calibration is not None else None
-    pp, tg, reps = bench
-
-    def convert_step(s: _P, ref: _P) -> _P:
-        return _P(convert_checkpoint(s, ref, outtype="f16").path)
-
-    def quantize_step(ref: _P, dst: _P, t: str, im: _P | None) -> None:
-        import convert
-
-        try:
-            convert.quantize(ref, dst, t, imatrix=im, force=True, threads=threads)
-        except convert.ConvertError as e:
-            raise ConversionError(e.message, e.hint) from e
-
-    def evaluate_step(rung: _P, ref: _P, txt: _P) -> dict[str, float]:
-        r = evaluate_in_worker(rung, txt, ref, n_ctx=n_ctx, chunks=chunks, threads=threads)
-        d = r.divergence
-        assert d is not None
-        return {"ppl": r.ppl, "ppl_reference": d.ppl_reference, "kld_mean": d.kld_mean, "kld_median": d.kld_median,
-                "kld_p99": d.kld_p99, "kld_max": d.kld_max, "top_agreement": d.same_top, "rms_dp": d.dp_rms}
-
-    def bench_step(rung: _P) -> tuple[float, float]:
-        kw: dict[str, Any] = {"n_threads": (threads,)} if threads else {}
-        spec = BenchSpec(models=(str(rung),), n_prompt=(pp,), n_gen=(tg,), repetitions=reps, **kw)
-        s = summary(run_bench_isolated(spec))
-        return s.get(f"pp{pp}", 0.0), s.get(f"tg{tg}", 0.0)
-
-    def register_step(rung: _P, t: str) -> str:
-        return add_model(rung, name=f"{family}:{t}", replace=True).name
-
-    steps = lad.Steps(
-        convert=convert_step,
-        imatrix=lambda ref, dst, c: compute_imatrix(ref, c, dst, threads=threads).dataset,
-        quantize=quantize_step,
-        evaluate=evaluate_step,
-        bench=bench_step,
-        register=register_step,
-        provenance=lad.add_metadata,
-    )
+    text_path = lad.evaluation_text(out, text, progress)
+    steps = lad.measuring_steps(
+        convert=lambda s, ref: Path(convert_checkpoint(s, ref, outtype="f16").path),
+        register=lambda rung, t: add_model(rung, name=f"{family}:{t}", replace=True).name,
+        n_ctx=n_ctx, chunks=chunks, bench=bench, threads=threads)
     result = lad.run(src, [t.strip().lower() for t in types if t.strip()], out, text_path, steps, imatrix=imatrix,
-                     calibration=cal, budget=lad.DEFAULT_BUDGET if budget is None else budget, progress=progress)
+                     calibration=Path(calibration) if calibration is not None else None,
+                     budget=lad.DEFAULT_BUDGET if budget is None else budget, progress=progress)
     lad.write_report(result, out)
     return result
+
+
+def ladder_report(ladder: Ladder) -> str:
+    """A ladder's report as Markdown: the table of rungs and the recommendation."""
+    from localrun.workbench.ladder import markdown
+
+    return markdown(ladder)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from localrun.backends.llama_bench import BenchSpec, _GlibcRand, run_bench
 from localrun.cli.bench import int_list
+from localrun.workbench.bench import BenchSpec, _GlibcRand, run_bench
 
 
 def test_json_has_every_setting_samples_mean_and_stddev_two_rows_per_thread_count(cli, starter: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localrun.backends.llama_eval import EvalResult, evaluate, evaluate_in_worker
 from localrun.errors import BadModelFileError, EngineCrashedError, UsageError
+from localrun.workbench.perplexity import EvalResult, evaluate, evaluate_in_worker
 
 from .ggufs import without_byte_tokens
 

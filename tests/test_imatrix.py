@@ -13,8 +13,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
-from localrun.backends.llama_imatrix import compute_imatrix, default_calibration
 from localrun.errors import EngineCrashedError, UsageError
+from localrun.workbench.imatrix import compute_imatrix
+from localrun.workbench.texts import default_calibration
 
 from .conftest import run_cli
 from .ggufs import without_byte_tokens
@@ -337,7 +338,8 @@ def test_too_little_text_is_an_error_and_leaves_nothing(stories: Path, tmp_path:
 
 def test_a_native_abort_is_an_error(stories: Path, tmp_path: Path) -> None:
     broken = without_byte_tokens(stories, tmp_path / "nobytes.gguf")  # llama.cpp aborts on CJK text
-    with pytest.raises(EngineCrashedError, match="aborted"):
+    with pytest.raises(EngineCrashedError, match=r"crashed while computing the importance matrix of nobytes.gguf "
+                                                 r"\(signal SIGABRT"):
         compute_imatrix(broken, "Tokyo 東京 " * 100, tmp_path / "x.gguf", n_ctx=N_CTX)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nobytes.gguf"]
 
@@ -353,7 +355,7 @@ def test_default_calibration_is_deterministic_real_text() -> None:
 
 
 def test_ggml_tensor_layout_matches_this_llama_cpp() -> None:
-    from localrun.backends import llama_imatrix
+    from localrun.workbench import imatrix
 
-    g = llama_imatrix._ggml_lib()  # raises when the struct or the op numbers are off
-    assert g.ggml_tensor_overhead() == ctypes.sizeof(llama_imatrix._GgmlTensor) + 32
+    g = imatrix._ggml_lib()  # raises when the struct or the op numbers are off
+    assert g.ggml_tensor_overhead() == ctypes.sizeof(imatrix._GgmlTensor) + 32

@@ -11,6 +11,7 @@ import ctypes
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from localrun.errors import BackendUnavailableError, BadModelFileError, EngineError
@@ -107,6 +108,17 @@ def load_model(path: str, name: str, params: Any) -> Any:
         shown = f"'{name}' ({path})" if name != path else path
         raise BadModelFileError(f"cannot load model {shown}: {reason}", BAD_FILE_HINT)
     return model
+
+
+def model_file(path: Path) -> Path:
+    """path, if it is a file.
+
+    Raises:
+        BadModelFileError: it is not.
+    """
+    if not path.is_file():
+        raise BadModelFileError(f"model file {path} does not exist", "pass a .gguf file or an installed model's name")
+    return path
 
 
 def model_params(gpu_layers: int, *, vocab_only: bool = False, load_mode: int | None = None) -> Any:

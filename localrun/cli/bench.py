@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from localrun.workbench.bench import BenchRecord, BenchSpec
 
 _RANGE = re.compile(r"^(-?\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
 _TRUE, _FALSE, _AUTO = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0"), ("auto", "-1")
@@ -47,7 +50,7 @@ def _flash_attn_list(value: str) -> list[int]:
     return out
 
 
-def _word_list(known: Any, flag: str) -> Callable[[str], list[str]]:
+def _word_list(known: Iterable[str], flag: str) -> Callable[[str], list[str]]:
     def parse(value: str) -> list[str]:
         words = [w.strip().lower() for w in value.split(",")]
         bad = [w for w in words if w not in known]
@@ -67,8 +70,9 @@ def _pair_list(value: str) -> list[tuple[int, int]]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from localrun.backends.llama_bench import CACHE_TYPES, LOAD_MODES
+    from localrun import api
 
+    choices = api.bench_choices()
     p = sub.add_parser("bench", help="measure prompt and generation speed, as llama-bench does",
                        description=cmd_bench.__doc__)
     p.add_argument("models", nargs="+", metavar="MODEL", help="model names (see 'localrun list') or .gguf paths")
@@ -79,17 +83,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("-pg", type=_pair_list, action="append", metavar="PP,TG", help="a prompt then a generation, timed together")
     add("-b", "--batch-size", type=int_list(1), action="append", metavar="N", help="logical batch size (default 2048)")
     add("-ub", "--ubatch-size", type=int_list(1), action="append", metavar="N", help="physical batch size (default 512)")
-    add("-ctk", "--cache-type-k", type=_word_list(CACHE_TYPES, "-ctk"), action="append", metavar="TYPE",
+    add("-ctk", "--cache-type-k", type=_word_list(choices.cache_types, "-ctk"), action="append", metavar="TYPE",
         help="K cache type (default f16)")
-    add("-ctv", "--cache-type-v", type=_word_list(CACHE_TYPES, "-ctv"), action="append", metavar="TYPE",
+    add("-ctv", "--cache-type-v", type=_word_list(choices.cache_types, "-ctv"), action="append", metavar="TYPE",
         help="V cache type (default f16)")
     add("-t", "--threads", type=int_list(1), action="append", metavar="N", help="CPU threads (default: physical cores)")
     add("-ngl", "--n-gpu-layers", type=int_list(-1), action="append", metavar="N",
         help="layers offloaded to the GPU; -1: all (default; a list that starts with it: -ngl=-1,0)")
     add("-fa", "--flash-attn", type=_flash_attn_list, action="append", metavar="on|off|auto",
         help="flash attention (default auto)")
-    add("-lm", "--load-mode", type=_word_list(LOAD_MODES, "-lm"), action="append", metavar="MODE",
-        help=f"how the weights are loaded: {', '.join(LOAD_MODES)} (default auto)")
+    add("-lm", "--load-mode", type=_word_list(choices.load_modes, "-lm"), action="append", metavar="MODE",
+        help=f"how the weights are loaded: {', '.join(choices.load_modes)} (default auto)")
     add("-mmp", "--mmap", type=int_list(0), action="append", metavar="0|1", help="older llama-bench's -mmp: -lm none or mmap")
     r = p.add_argument_group("run")
     r.add_argument("-r", "--repetitions", type=int, default=5, metavar="N", help="repetitions of each test (default 5)")
@@ -106,21 +110,15 @@ def _flat(values: list[list[Any]] | None) -> tuple[Any, ...] | None:
     return None if values is None else tuple(v for vs in values for v in vs)
 
 
-def spec_from_args(args: argparse.Namespace) -> Any:
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     """The BenchSpec the flags ask for, with models resolved through the store."""
     from localrun import api
-    from localrun.backends.llama_bench import BenchSpec
-    from localrun.errors import BackendUnavailableError, UsageError
+    from localrun.errors import UsageError
 
     if args.mmap is not None and args.load_mode is not None:
         raise UsageError("-mmp and -lm cannot be combined", "give -lm none or -lm mmap")
     if args.mmap is not None and any(v > 1 for vs in args.mmap for v in vs):
         raise UsageError("-mmp: expected 0 or 1")
-    models = [api.get_model(m) for m in args.models]
-    for m in models:
-        if m.format != "gguf":
-            raise BackendUnavailableError(f"model '{m.name}' is {m.format}; bench measures llama.cpp, which runs GGUF files",
-                                          "pick a GGUF model (see 'localrun list')")
     load_mode = _flat(args.load_mode)
     if args.mmap is not None:
         load_mode = tuple("mmap" if v else "none" for vs in args.mmap for v in vs)
@@ -128,9 +126,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
              "n_batch": _flat(args.batch_size), "n_ubatch": _flat(args.ubatch_size), "type_k": _flat(args.cache_type_k),
              "type_v": _flat(args.cache_type_v), "n_threads": _flat(args.threads), "n_gpu_layers": _flat(args.n_gpu_layers),
              "flash_attn": _flat(args.flash_attn), "load_mode": load_mode}
-    return BenchSpec(models=tuple(m.path for m in models), names=tuple(m.name for m in models),
-                     repetitions=args.repetitions, warmup=not args.no_warmup,
-                     **{k: v for k, v in given.items() if v is not None})
+    return api.bench_spec(args.models, repetitions=args.repetitions, warmup=not args.no_warmup,
+                          **{k: v for k, v in given.items() if v is not None})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -138,13 +135,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     at a time) of each MODEL, as llama-bench does: same tests, same settings, same timing, so the
     numbers compare with llama-bench's. The tests run in a child process; results go to stdout,
     progress to stderr."""
-    from localrun.backends.llama_bench import iter_bench_isolated
+    from localrun import api
 
     spec = spec_from_args(args)
     printer: _Printer = {"md": _Markdown, "json": _Json, "csv": _Csv}[args.output](spec)
     progress = _Progress()
     try:
-        for record in iter_bench_isolated(spec, progress):
+        for record in api.benchmark(spec, progress):
             progress.clear()
             printer.add(record)
     finally:
@@ -190,10 +187,10 @@ def _params(n: int) -> str:
 class _Printer:
     """Writes records to stdout as they come (add), and whatever is left at the end (end)."""
 
-    def __init__(self, spec: Any) -> None:
+    def __init__(self, spec: BenchSpec) -> None:
         self.spec = spec
 
-    def add(self, r: Any) -> None:
+    def add(self, r: BenchRecord) -> None:
         raise NotImplementedError
 
     def end(self) -> None:
@@ -209,11 +206,9 @@ class _Markdown(_Printer):
               "n_ubatch": ("n_ubatch", 8), "type_k": ("type_k", 6), "type_v": ("type_v", 6), "flash_attn": ("fa", 3),
               "load_mode": ("lm", 10), "test": ("test", 15), "t/s": ("t/s", 20)}
 
-    def __init__(self, spec: Any) -> None:
-        from localrun.backends.llama_bench import BenchSpec
-
+    def __init__(self, spec: BenchSpec) -> None:
         self.spec = spec
-        default = BenchSpec(models=spec.models)
+        default = type(spec)(models=spec.models)
         self.optional = [name for name in ("n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "type_k", "type_v",
                                            "flash_attn", "load_mode")
                          if getattr(spec, name) != getattr(default, name) or len(getattr(spec, name)) > 1]
@@ -235,7 +230,7 @@ class _Markdown(_Printer):
         cells = [f" {v:<{-w}} |" if w < 0 else f" {v:>{w}} |" for v, (_, w) in zip(values, self.columns, strict=True)]
         print("|" + "".join(cells), flush=True)
 
-    def add(self, r: Any) -> None:
+    def add(self, r: BenchRecord) -> None:
         if not self.columns:
             self._header(r.backend)
         c = r.case
@@ -245,11 +240,11 @@ class _Markdown(_Printer):
 
 
 class _Json(_Printer):
-    def __init__(self, spec: Any) -> None:
+    def __init__(self, spec: BenchSpec) -> None:
         super().__init__(spec)
         self.records: list[dict[str, Any]] = []
 
-    def add(self, r: Any) -> None:
+    def add(self, r: BenchRecord) -> None:
         self.records.append(r.to_dict())
 
     def end(self) -> None:
@@ -261,14 +256,14 @@ class _Json(_Printer):
 class _Csv(_Printer):
     """llama-bench's CSV: one header line, then one line of scalar fields per test."""
 
-    def __init__(self, spec: Any) -> None:
+    def __init__(self, spec: BenchSpec) -> None:
         import csv
 
         super().__init__(spec)
         self.writer = csv.writer(sys.stdout, lineterminator="\n")
         self.fields: list[str] | None = None
 
-    def add(self, r: Any) -> None:
+    def add(self, r: BenchRecord) -> None:
         d = r.to_dict()
         if self.fields is None:
             self.fields = [k for k, v in d.items() if not isinstance(v, list)]

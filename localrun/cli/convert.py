@@ -243,7 +243,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def _ladder(args: argparse.Namespace) -> int:
     """`quantize --ladder`: every rung built, measured and registered; the report on stdout."""
     from localrun import api
-    from localrun import ladder as lad
 
     if args.type is not None:
         raise UsageError("give a TYPE or --ladder, not both")
@@ -257,5 +256,5 @@ def _ladder(args: argparse.Namespace) -> int:
         calibration=args.calibration, text=args.text, budget=args.max_kld, name=args.name, n_ctx=args.ctx,
         chunks=args.chunks, bench=(pp, tg, reps), threads=args.threads,
         progress=lambda line: print(f"ladder: {line}", file=sys.stderr, flush=True))
-    print(lad.markdown(result), end="")
+    print(api.ladder_report(result), end="")
     return 0

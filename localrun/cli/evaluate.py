@@ -6,9 +6,12 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import int_in, stderr_bar
+
+if TYPE_CHECKING:
+    from localrun.workbench.perplexity import EvalProgress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,27 +37,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     divergence of MODEL's next-token distributions from the reference's, how often their top
     tokens agree, and both perplexities; the reference's logits are computed once and cached."""
     from localrun import api
-    from localrun.backends.llama_eval import EvalWorker
 
-    with EvalWorker() as worker:  # it loads llama.cpp while the models are looked up
-        model = api.get_model(args.model)
-        reference = api.get_model(args.reference) if args.reference else None
-        for m in (model, reference):
-            if m is not None and m.format != "gguf":
-                from localrun.errors import UsageError
-
-                raise UsageError(f"'{m.name}' is {m.format}; eval runs GGUF models on llama.cpp",
-                                 f"convert it with 'localrun convert {m.path}'")
-        bar = _Bar()
-        try:
-            result = worker.run(model.path, args.text, reference.path if reference else None,
-                                n_ctx=args.ctx, chunks=args.chunks, n_batch=args.batch_size,
-                                threads=args.threads, use_cache=not args.no_cache, progress=bar.update)
-        finally:
-            bar.close()
-    record = {**result.to_dict(), "model": model.name, "model_path": model.path}
-    if reference is not None and record["divergence"] is not None:
-        record["divergence"].update(reference=reference.name, reference_path=reference.path)
+    bar = _Bar()
+    try:
+        result = api.evaluate(args.model, args.text, args.reference, n_ctx=args.ctx, chunks=args.chunks,
+                              n_batch=args.batch_size, threads=args.threads, use_cache=not args.no_cache,
+                              progress=bar.update)
+    finally:
+        bar.close()
+    record = result.to_dict()
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -100,7 +91,7 @@ class _Bar:
         self.printed = 0.0
         self.bar: Any = stderr_bar("{task.description:<9}", "PPL {task.fields[ppl]}")
 
-    def update(self, e: Any) -> None:
+    def update(self, e: EvalProgress) -> None:
         if self.bar is None:
             now = time.monotonic()
             if now - self.printed >= 2.0 or e.chunk == e.chunks:

@@ -6,10 +6,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import int_in, stderr_bar
 from localrun.errors import UsageError
+
+if TYPE_CHECKING:
+    from localrun.workbench.imatrix import ImatrixProgress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,13 +35,11 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
     llama-imatrix's GGUF format. Pass it to 'localrun quantize IN TYPE --imatrix OUT' (needed by
     iq1/iq2 types and q2_k_s, and better quality for every low-bit type). The path is printed."""
     from localrun import api
-    from localrun.backends.llama_imatrix import compute_imatrix
 
     model = api.get_model(args.model)
     if model.format != "gguf":
         raise UsageError(f"model '{model.name}' is {model.format}, and importance matrices are for GGUF",
                          "pass a .gguf model")
-    calibration = Path(args.calibration) if args.calibration is not None else None
     out = Path(args.output) if args.output else Path(f"{Path(model.path).stem}.imatrix.gguf")
     if out.suffix != ".gguf":
         raise UsageError(f"output {out} should end in .gguf", "llama.cpp reads importance matrices from GGUF files")
@@ -47,8 +48,8 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise UsageError(f"folder {out.parent} does not exist", "create it or choose another -o")
     with _Bar() as bar:
-        summary = compute_imatrix(model.path, calibration, out, n_ctx=args.ctx, chunks=args.chunks,
-                                  threads=args.threads, progress=bar.update, dataset=args.calibration)
+        summary = api.compute_imatrix(model.path, args.calibration, out, n_ctx=args.ctx, chunks=args.chunks,
+                                      threads=args.threads, progress=bar.update, dataset=args.calibration)
     ppl = f", perplexity {summary.perplexity:.4f}" if summary.perplexity else ""
     print(f"wrote {summary.path}: {summary.tensors} weight matrices from {summary.chunks} chunks of "
           f"{summary.chunk_size} tokens in {summary.seconds:.1f}s{ppl}", file=sys.stderr)
@@ -74,7 +75,7 @@ class _Bar:
         if self.bar is not None:
             self.bar.stop()
 
-    def update(self, p: Any) -> None:
+    def update(self, p: ImatrixProgress) -> None:
         speed = f"{p.tokens / p.elapsed_s:.0f} tok/s" if p.elapsed_s > 0 else ""
         if self.bar is not None:
             self.bar.update(self.task, completed=p.chunk, total=p.chunks, speed=speed)

@@ -140,7 +140,7 @@ def test_convert(snap_compare: Any, make_app: Any, tmp_path: Path, monkeypatch: 
 
 def measured_ladder() -> Any:
     """A ladder as the core returns it, with fixed measurements (so no speeds that vary)."""
-    from localrun.ladder import Ladder, Rung
+    from localrun.workbench.ladder import Ladder, Rung
 
     rows = [("q8_0", 145.0, 8.5, 12.91, 0.0016, 0.972, 3150, 118), ("q6_k", 112.0, 6.56, 12.96, 0.0052, 0.951, 3320, 131),
             ("q4_k_m", 85.0, 4.89, 13.42, 0.031, 0.893, 3600, 152), ("iq4_xs", 79.0, 4.46, 13.55, 0.044, 0.874, 3410, 149),

@@ -68,7 +68,7 @@ class ConvertScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__()
         self.running = False
-        self.ladder: Any = None  # the last ladder's result (localrun.ladder.Ladder)
+        self.ladder: Any = None  # the last ladder's result (localrun.workbench.ladder.Ladder)
         # Extra keyword arguments of api.quantize_ladder (out_dir, imatrix, text, n_ctx, bench, ...).
         self.ladder_options: dict[str, Any] = {}
 

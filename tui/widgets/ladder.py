@@ -26,7 +26,7 @@ class Point(NamedTuple):
 
 
 def points(ladder: Any) -> list[Point]:
-    """The plot's points of a localrun.ladder.Ladder."""
+    """The plot's points of a localrun.workbench.ladder.Ladder."""
     rec = ladder.recommended()
     return [Point(r.type, r.size / 2**20, r.kld_mean, rec is not None and r.type == rec.type) for r in ladder.rungs]
 
@@ -215,7 +215,7 @@ class LadderPlot(Widget):
         self.drawn: list[str] = []  # the lines last rendered (what tests read)
 
     def show(self, ladder: Any) -> None:
-        """Plot the rungs of a localrun.ladder.Ladder."""
+        """Plot the rungs of a localrun.workbench.ladder.Ladder."""
         self.points = points(ladder)
         self.budget = ladder.budget
         self.refresh()

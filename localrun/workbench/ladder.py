@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun.errors import UsageError
+from localrun.errors import ConversionError, UsageError
 
 # Types an importance matrix improves (k-quants and i-quants); IQ types below 4 bits need one.
 IMATRIX_HELPS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "iq1_s", "iq1_m",
@@ -96,7 +96,7 @@ class Step:
 
 @dataclass
 class Steps:
-    """What the ladder calls for each step (the real ones in api.quantize_ladder; tests may wrap them)."""
+    """What the ladder calls for each step (the real ones from measuring_steps; tests may wrap them)."""
 
     convert: Callable[[Path, Path], Path]  # source checkpoint -> F16 GGUF
     imatrix: Callable[[Path, Path, Path | None], str]  # reference, out, calibration -> dataset description
@@ -105,6 +105,9 @@ class Steps:
     bench: Callable[[Path], tuple[float, float]]  # rung -> (pp tokens/s, tg tokens/s)
     register: Callable[[Path, str], str]  # rung file, type -> store name
     provenance: Callable[[Path, dict[str, str]], None]  # rung file, keys -> written into its metadata
+
+
+Progress = Callable[[Step], None]
 
 
 def sha256(path: Path) -> str:
@@ -225,35 +228,61 @@ def _rung(t: str, source: Path, reference: Path, out_dir: Path, text: Path, imat
     return rung, stats["ppl_reference"]
 
 
-def default_text(max_chars: int = 60_000) -> tuple[str, str]:
-    """A held-out evaluation text localrun builds itself, apart from the calibration set: the
-    docstrings of a fixed list of Python standard-library modules (the same for the same Python).
-    Returns (text, description)."""
-    import importlib
-    import sys
+def measuring_steps(convert: Callable[[Path, Path], Path], register: Callable[[Path, str], str], *, n_ctx: int = 512,
+                    chunks: int | None = None, bench: tuple[int, int, int] = (512, 128, 3),
+                    threads: int | None = None) -> Steps:
+    """The real steps: llama.cpp quantizes, the workbench evaluates, benchmarks and computes the
+    importance matrix (each in a child process); converting and registering are the caller's."""
+    pp, tg, reps = bench
 
-    from localrun.backends.llama_imatrix import (
-        _CODE_MODULES,  # the calibration set's code: kept out
-    )
+    def quantize(ref: Path, dst: Path, t: str, im: Path | None) -> None:
+        import convert as converter
 
-    names = tuple(n for n in (
-        "abc", "asyncio", "collections", "contextlib", "datetime", "decimal", "email", "enum", "http", "inspect",
-        "itertools", "logging", "mailbox", "operator", "pathlib", "pickle", "queue", "random", "re", "sched",
-        "shutil", "socket", "subprocess", "tarfile", "tempfile", "threading", "timeit", "typing", "unittest",
-        "urllib", "uuid", "warnings", "wave", "weakref", "zipfile") if n not in _CODE_MODULES)
-    parts: list[str] = []
-    for n in names:
         try:
-            mod = importlib.import_module(n)
-        except Exception:  # noqa: BLE001 - a module this Python lacks is left out
-            continue
-        docs = [mod.__doc__ or ""] + [getattr(mod, a).__doc__ or "" for a in sorted(dir(mod))
-                                        if not a.startswith("_") and callable(getattr(mod, a, None))]
-        parts.extend(d.strip() for d in docs if isinstance(d, str) and len(d.strip()) > 200)
-    text = "\n\n".join(dict.fromkeys(parts))[:max_chars]
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return text, (f"localrun-eval-v1 (docstrings of {len(names)} standard-library modules, Python "
-                  f"{sys.version.split()[0]}; {len(text)} characters, sha256 {digest})")
+            converter.quantize(ref, dst, t, imatrix=im, force=True, threads=threads)
+        except converter.ConvertError as e:
+            raise ConversionError(e.message, e.hint) from e
+
+    def evaluate(rung: Path, ref: Path, txt: Path) -> dict[str, float]:
+        from localrun.workbench.perplexity import evaluate_in_worker
+
+        r = evaluate_in_worker(rung, txt, ref, n_ctx=n_ctx, chunks=chunks, threads=threads)
+        d = r.divergence
+        assert d is not None
+        return {"ppl": r.ppl, "ppl_reference": d.ppl_reference, "kld_mean": d.kld_mean, "kld_median": d.kld_median,
+                "kld_p99": d.kld_p99, "kld_max": d.kld_max, "top_agreement": d.same_top, "rms_dp": d.dp_rms}
+
+    def measure_speed(rung: Path) -> tuple[float, float]:
+        from localrun.workbench.bench import BenchSpec, run_bench_isolated, summary
+
+        kw: dict[str, Any] = {"n_threads": (threads,)} if threads else {}
+        spec = BenchSpec(models=(str(rung),), n_prompt=(pp,), n_gen=(tg,), repetitions=reps, **kw)
+        s = summary(run_bench_isolated(spec))
+        return s.get(f"pp{pp}", 0.0), s.get(f"tg{tg}", 0.0)
+
+    def imatrix(ref: Path, dst: Path, calibration: Path | None) -> str:
+        from localrun.workbench.imatrix import compute_imatrix
+
+        return compute_imatrix(ref, calibration, dst, threads=threads).dataset
+
+    return Steps(convert=convert, imatrix=imatrix, quantize=quantize, evaluate=evaluate, bench=measure_speed,
+                 register=register, provenance=add_metadata)
+
+
+def evaluation_text(out_dir: Path, text: str | os.PathLike[str] | None,
+                    progress: Callable[[Step], None] | None = None) -> Path:
+    """The text the rungs are scored on: the given file, or localrun's held-out set written to out_dir."""
+    if text is not None:
+        return Path(text)
+    from localrun.workbench.texts import default_text
+
+    body, description = default_text()
+    path = out_dir / "eval-text.txt"
+    if not path.exists() or path.read_text(encoding="utf-8") != body:
+        path.write_text(body, encoding="utf-8")
+    if progress:
+        progress(Step(f"evaluation text: {description}"))
+    return path
 
 
 def markdown(ladder: Ladder) -> str:
@@ -287,8 +316,6 @@ def write_report(ladder: Ladder, out_dir: Path) -> tuple[Path, Path]:
 
 def add_metadata(path: Path, keys: dict[str, str]) -> None:
     """Write string keys into a GGUF's metadata (a new file beside it, then renamed over it)."""
-    import functools
-
     import gguf
     import gguf.scripts.gguf_new_metadata as new_metadata
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata

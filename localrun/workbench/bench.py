@@ -8,18 +8,16 @@ context, the same warm-up, the same random tokens (glibc's unseeded rand()) and 
 region (one llama_decode per n_batch chunk, then a synchronize; tg: one token per llama_decode,
 synchronized, no sampling). The tokens of a repetition are drawn just before its clock starts.
 
-`run_bench` measures in this process; `run_bench_isolated` runs the same code in a child
-(`python -m localrun.backends.llama_bench`, a JSON spec on stdin, JSON lines out), where a native
-abort on a bad file becomes an EngineCrashedError instead of taking the caller down.
+`run_bench` measures in this process; `iter_bench_isolated` runs the same code as a job in a
+child process (backends/isolation.py), where a native abort on a bad file becomes an
+EngineCrashedError instead of taking the caller down.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -27,7 +25,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from localrun.errors import BadModelFileError, EngineCrashedError, EngineError, UsageError
+from localrun.errors import EngineError, UsageError
 
 # llama-bench's names for the KV cache types it accepts, and ggml's numbers for them.
 CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20}
@@ -52,6 +50,14 @@ def physical_cores() -> int:
         return len(siblings)
     n = os.cpu_count() or 4
     return n if n <= 4 else n // 2
+
+
+@dataclass(frozen=True)
+class BenchChoices:
+    """The words llama-bench accepts for its settings (the CLI's choices)."""
+
+    cache_types: tuple[str, ...] = tuple(CACHE_TYPES)
+    load_modes: tuple[str, ...] = tuple(LOAD_MODES)
 
 
 @dataclass(frozen=True)
@@ -301,11 +307,9 @@ class _Bench:
     """The measurement loop of llama-bench, one test at a time."""
 
     def __init__(self) -> None:
-        from localrun.backends.llama_cpp import _import, _install_log_sink
+        from localrun.backends.llama_loader import library
 
-        ll = _import()
-        _install_log_sink(ll)
-        ll.llama_backend_init()
+        ll = library()
         self.ll = ll
         self.ggml = _Ggml(ll)
         self.rand = _GlibcRand()  # one stream for the whole run, as in one llama-bench process
@@ -319,26 +323,18 @@ class _Bench:
 
     def load(self, case: BenchCase) -> Any:
         """The case's model, reusing the loaded one when the load settings are unchanged."""
-        from localrun.backends.llama_cpp import _LOG_TAIL, last_log_error
+        from localrun.backends.llama_loader import load_model, model_params
 
         if self.model and self.key == case.model_key():
             return self.model
         self.close()
-        ll = self.ll
-        mparams = ll.llama_model_default_params()
-        mparams.n_gpu_layers = case.n_gpu_layers
-        mparams.load_mode = LOAD_MODES[case.load_mode]
-        _LOG_TAIL.clear()
-        self.model = ll.llama_model_load_from_file(case.model_path.encode(), mparams)
-        if not self.model:
-            raise BadModelFileError(f"cannot load model '{case.model}' ({case.model_path}): "
-                                    f"{last_log_error() or 'llama.cpp could not load it'}",
-                                    "the file may be corrupt or of an architecture this llama.cpp build does not know")
+        params = model_params(case.n_gpu_layers, load_mode=LOAD_MODES[case.load_mode])
+        self.model = load_model(case.model_path, case.model, params)
         self.key = case.model_key()
         return self.model
 
     def context(self, model: Any, case: BenchCase) -> Any:
-        from localrun.backends.llama_cpp import last_log_error
+        from localrun.backends.llama_loader import new_context
 
         ll = self.ll
         cparams = ll.llama_context_default_params()
@@ -352,12 +348,9 @@ class _Bench:
         cparams.embeddings = False
         cparams.op_offload = True
         cparams.swa_full = False
-        ctx = ll.llama_init_from_model(model, cparams)
-        if not ctx:
-            raise EngineError(f"cannot create a context for '{case.model}' ({case.test}, -b {case.n_batch}, "
-                              f"-ub {case.n_ubatch}, -ctk {case.type_k}, -ctv {case.type_v}, -fa {case.flash_attn}): "
-                              f"{last_log_error() or 'not enough memory?'}", "try smaller -p, -n or -b values")
-        return ctx
+        return new_context(model, cparams, f"a context for '{case.model}' ({case.test}, -b {case.n_batch}, "
+                           f"-ub {case.n_ubatch}, -ctk {case.type_k}, -ctv {case.type_v}, -fa {case.flash_attn})",
+                           "try smaller -p, -n or -b values")
 
     def run(self, case: BenchCase, repetitions: int, warmup: bool, note: Progress) -> BenchRecord:
         ll = self.ll
@@ -447,7 +440,7 @@ class _Bench:
 
 
 def _decode_error(what: str, rc: int) -> EngineError:
-    from localrun.backends.llama_cpp import last_log_error
+    from localrun.backends.llama_loader import last_log_error
 
     reason = last_log_error()
     return EngineError(f"llama_decode failed in the {what} run (code {rc}){': ' + reason if reason else ''}",
@@ -493,41 +486,15 @@ def iter_bench_isolated(spec: BenchSpec, progress: Progress | None = None) -> It
         EngineCrashedError: the child died (the message has its last words).
         LocalrunError: whatever iter_bench raised in the child, as the same class.
     """
-    import subprocess
-    import tempfile
+    from localrun.backends.isolation import Job
 
-    from localrun.backends.channel import raise_payload
-
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "localrun.backends.llama_bench"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write(json.dumps(spec.to_dict()).encode())
-            proc.stdin.close()
-            done = False
-            for line in proc.stdout:
-                msg = json.loads(line)
-                if "progress" in msg:
-                    if progress is not None:
-                        progress(msg["progress"])
-                elif "record" in msg:
-                    yield BenchRecord.from_dict(msg["record"])
-                elif "error" in msg:
-                    raise_payload(msg["error"])
-                elif msg.get("done"):
-                    done = True
-            rc = proc.wait()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if not done:
-            err.seek(0)
-            tail = [ln.strip() for ln in err.read().decode(errors="replace").splitlines() if ln.strip()]
-            how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-            raise EngineCrashedError(f"the benchmark process died ({how}){': ' + tail[-1] if tail else ''}",
-                                     "the model file may be damaged; LOCALRUN_DEBUG=1 shows more")
+    names = ", ".join(spec.names or tuple(Path(m).name for m in spec.models))
+    with Job("localrun.workbench.bench:job", f"benchmarking {names}") as job:
+        for event in job.stream(spec.to_dict()):
+            if "record" in event:
+                yield BenchRecord.from_dict(event["record"])
+            elif progress is not None:
+                progress(event["progress"])
 
 
 def run_bench_isolated(spec: BenchSpec, progress: Progress | None = None) -> list[BenchRecord]:
@@ -535,32 +502,10 @@ def run_bench_isolated(spec: BenchSpec, progress: Progress | None = None) -> lis
     return list(iter_bench_isolated(spec, progress))
 
 
-def _child() -> int:
-    """The child's side: a spec on stdin; progress, records, an error and 'done' as JSON lines."""
-    import signal
-
-    from localrun.backends.channel import error_payload
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which ends this process
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # stray prints from native code must not corrupt the protocol
-
-    def send(obj: Any) -> None:
-        proto.write(json.dumps(obj, allow_nan=False) + "\n")
-
-    try:
-        spec = BenchSpec.from_dict(json.loads(sys.stdin.read()))
-        for record in iter_bench(spec, lambda line: send({"progress": line})):
-            send({"record": record.to_dict()})
-    except Exception as e:
-        if os.environ.get("LOCALRUN_DEBUG"):
-            import traceback
-
-            traceback.print_exc()
-        send({"error": error_payload(e)})
-        return 1
-    send({"done": True})
-    return 0
+def job(request: dict[str, Any], emit: Callable[[Any], None]) -> None:
+    """The isolated side (see backends/isolation.py): progress lines and records as events."""
+    for record in iter_bench(BenchSpec.from_dict(request), lambda line: emit({"progress": line})):
+        emit({"record": record.to_dict()})
 
 
 def summary(records: list[BenchRecord]) -> dict[str, float]:
@@ -569,7 +514,3 @@ def summary(records: list[BenchRecord]) -> dict[str, float]:
     for r in records:
         out.setdefault(r.test, []).append(r.avg_ts)
     return {k: statistics.fmean(v) for k, v in out.items()}
-
-
-if __name__ == "__main__":
-    sys.exit(_child())

@@ -9,19 +9,15 @@ expert, by the routing ids), the squares of the input columns are summed over to
 tokens counted. The file is llama-imatrix's GGUF format: `<weight>.in_sum2` (F32, experts x
 columns) and `<weight>.counts` (F32, experts x 1), with general.type, imatrix.datasets,
 imatrix.chunk_count and imatrix.chunk_size; llama_model_quantize takes sum/count per column
-(convert/imatrix.py). By default the work runs in a child process, so that a native abort is an
-error message.
+(convert/imatrix.py). By default the work runs in a child process (backends/isolation.py), so that
+a native abort is an error message.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from localrun.errors import BadModelFileError, EngineCrashedError, EngineError, UsageError
+from localrun.backends.isolation import Job
+from localrun.errors import EngineError, UsageError
+from localrun.workbench.texts import default_calibration
 
 DEFAULT_CTX = 512
 MIN_ROWS = 16  # llama-imatrix skips matrix products over fewer tokens than this
 BATCH_TOKENS = 2048  # llama-imatrix's default -b: chunks per decode = this // n_ctx
-DEFAULT_SET_CHARS = 120_000  # 36k tokens (70 chunks of 512) with SmolLM2's tokenizer
 
 # ggml.h of this llama.cpp: GGML_MAX_DIMS 4, GGML_MAX_SRC 10, GGML_MAX_OP_PARAMS 64, GGML_MAX_NAME 64.
 _MAX_DIMS, _MAX_SRC, _MAX_OP_PARAMS, _MAX_NAME = 4, 10, 64, 64
@@ -130,7 +127,7 @@ def compute_imatrix(
     Raises:
         UsageError: too little calibration text for one chunk, or bad settings.
         BadModelFileError: llama.cpp cannot load the model.
-        EngineError: the evaluation failed (EngineCrashedError: llama.cpp aborted).
+        EngineError: the evaluation failed (EngineCrashedError: llama.cpp crashed).
     """
     if n_ctx < MIN_ROWS:
         raise UsageError(f"--ctx {n_ctx} is too small", f"use at least {MIN_ROWS} (default {DEFAULT_CTX})")
@@ -155,7 +152,12 @@ def compute_imatrix(
     try:
         request = {"model": os.fspath(model_path), "calibration": calibration, "out": str(tmp),
                    "n_ctx": n_ctx, "chunks": chunks, "threads": threads, "dataset": dataset}
-        summary = _run_child(request, progress) if isolated else _compute(request, progress)
+        if isolated:
+            job = Job("localrun.workbench.imatrix:job", f"computing the importance matrix of {Path(model_path).name}",
+                      hint="the model file may be damaged, or its vocabulary lacks tokens this text needs")
+            summary = _summary(job.run(request, lambda e: progress(ImatrixProgress(**e)) if progress else None))
+        else:
+            summary = _compute(request, progress)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -168,192 +170,32 @@ def _describe(text: str) -> str:
     return f"text ({len(text)} characters, sha256 {digest})"
 
 
-# -- the default calibration set ----------------------------------------------------------------
+# -- the job in its child process ---------------------------------------------------------------
 
-_CODE_MODULES = (
-    "textwrap", "heapq", "bisect", "fractions", "statistics", "json.decoder", "json.encoder",
-    "shlex", "difflib", "csv", "colorsys", "calendar", "string", "functools", "dataclasses",
-    "argparse", "base64", "ipaddress", "tokenize", "graphlib",
-)
-# Unicode blocks for the list part: Latin-1, Greek, Cyrillic, Hebrew, Arabic, Devanagari,
-# Hiragana, CJK, mathematical operators, emoji.
-_UNICODE_RANGES = (
-    (0x00C0, 0x0100), (0x0391, 0x03CA), (0x0410, 0x0450), (0x05D0, 0x05EB), (0x0621, 0x064B),
-    (0x0905, 0x0940), (0x3041, 0x3097), (0x4E00, 0x4E60), (0x2200, 0x2250), (0x1F600, 0x1F650),
-)
-_BLOCK_CHARS = 2500
+def job(request: dict[str, Any], emit: Callable[[Any], None]) -> dict[str, Any]:
+    """The isolated side (see backends/isolation.py): progress events, then the summary."""
+    return _plain(_compute(request, lambda p: emit(asdict(p))))
 
 
-def default_calibration(max_chars: int = DEFAULT_SET_CHARS) -> tuple[str, str]:
-    """localrun's calibration text and its name: real text from Python's own standard library.
-
-    Blocks of about 2,500 characters in turn: two of prose (the Python reference topics that
-    `help()` shows, pydoc_data.topics), one of code (the source of common stdlib modules), one of
-    lists (Unicode code points with their names, from unicodedata, over ten scripts). The same
-    Python version gives the same text; the name records the version and a digest.
-    """
-    import platform
-    import random
-    import unicodedata
-
-    rng = random.Random(0)  # the same order on every run (and every Python since 3.2)
-    prose, code, lists = _prose_blocks(), _code_blocks(), _list_blocks()
-    for blocks in (prose, code, lists):
-        rng.shuffle(blocks)
-    sources = [prose, prose, code, lists]
-    out: list[str] = []
-    size = 0
-    while size < max_chars and any(sources):
-        for src in sources:
-            if src and size < max_chars:
-                block = src.pop(0)
-                out.append(block)
-                size += len(block) + 2
-    text = "\n\n".join(out)
-    if len(text) < 10_000:
-        raise UsageError("this Python lacks the standard library text of the default calibration set",
-                         "pass --calibration FILE")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    name = (f"localrun-calibration-v1 (Python {platform.python_version()} reference topics, stdlib "
-            f"source, Unicode {unicodedata.unidata_version} names; {len(text)} characters, sha256 {digest})")
-    return text, name
+def _plain(summary: ImatrixSummary) -> dict[str, Any]:
+    return {**asdict(summary), "path": str(summary.path)}
 
 
-def _split(text: str, sep: str) -> list[str]:
-    """Cut text into blocks of about _BLOCK_CHARS at separators."""
-    blocks, cur = [], ""
-    for part in text.split(sep):
-        if cur and len(cur) + len(part) > _BLOCK_CHARS:
-            blocks.append(cur.strip("\n"))
-            cur = ""
-        cur = f"{cur}{sep}{part}" if cur else part
-    if cur.strip():
-        blocks.append(cur.strip("\n"))
-    return [b for b in blocks if b.strip()]
-
-
-def _prose_blocks() -> list[str]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:
-        return []
-    return [b for key in sorted(topics) for b in _split(topics[key], "\n\n")]
-
-
-def _code_blocks() -> list[str]:
-    import importlib
-    import inspect
-
-    blocks: list[str] = []
-    for name in _CODE_MODULES:
-        try:
-            source = inspect.getsource(importlib.import_module(name))
-        except (ImportError, OSError, TypeError):
-            continue  # a Python without sources
-        blocks += _split(source, "\n")
-    return blocks
-
-
-def _list_blocks() -> list[str]:
-    import unicodedata
-
-    blocks = []
-    for n, (lo, hi) in enumerate(_UNICODE_RANGES):
-        rows = [(c, unicodedata.name(chr(c), "")) for c in range(lo, hi)]
-        rows = [(c, name) for c, name in rows if name]
-        if n % 2:  # a Markdown table, then a bullet list: both shapes occur in real text
-            lines = ["| code point | character | name |", "|---|---|---|"]
-            lines += [f"| U+{c:04X} | {chr(c)} | {name.title()} |" for c, name in rows]
-        else:
-            lines = [f"- U+{c:04X} {chr(c)}: {name.lower()}" for c, name in rows]
-        blocks += _split("\n".join(lines), "\n")
-    return blocks
-
-
-# -- the child process ----------------------------------------------------------------------------
-
-def _run_child(request: dict[str, Any], progress: ProgressCallback | None) -> ImatrixSummary:
-    """_compute in `python -m localrun.backends.llama_imatrix`: progress and the result as JSON lines."""
-    root = str(Path(__file__).resolve().parents[2])  # this localrun, installed or not
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "localrun.backends.llama_imatrix"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                env={**os.environ, "PYTHONPATH": path})
-        assert proc.stdin is not None and proc.stdout is not None
-        reply: dict[str, Any] = {}
-        try:
-            proc.stdin.write(json.dumps(request).encode())
-            proc.stdin.close()
-            for line in proc.stdout:
-                msg = json.loads(line)
-                if "progress" in msg and progress is not None:
-                    progress(ImatrixProgress(**msg["progress"]))
-                else:
-                    reply = msg
-            rc = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if "summary" in reply:
-            s = reply["summary"]
-            return ImatrixSummary(**{**s, "path": Path(s["path"])})
-        if "error" in reply:
-            from localrun.backends.channel import payload_error
-
-            raise payload_error(reply["error"])
-        err.seek(0)
-        lines = [x.strip() for x in err.read().decode(errors="replace").splitlines() if x.strip()]
-        detail = next((x for x in reversed(lines) if "error" in x.lower() or "abort" in x.lower()),
-                      lines[-1] if lines else f"exit status {rc}")
-        raise EngineCrashedError(f"llama.cpp aborted while computing the importance matrix of "
-                                 f"{request['model']}: {detail}",
-                                 "the model file may be damaged, or its vocabulary lacks tokens this text needs")
-
-
-def _child_main() -> int:
-    """Child side: one JSON request on stdin; progress, then a summary or an error, on stdout."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything native code prints goes to stderr, not into the protocol
-
-    def send(obj: dict[str, Any]) -> None:
-        proto.write(json.dumps(obj, default=str) + "\n")
-        proto.flush()
-
-    try:
-        summary = _compute(json.loads(sys.stdin.read()), lambda p: send({"progress": asdict(p)}))
-        send({"summary": asdict(summary)})
-    except Exception as e:  # every failure crosses the pipe as an error payload
-        from localrun.backends.channel import error_payload
-
-        send({"error": error_payload(e)})
-    return 0
+def _summary(d: dict[str, Any]) -> ImatrixSummary:
+    return ImatrixSummary(**{**d, "path": Path(d["path"])})
 
 
 # -- the computation (in this process) ------------------------------------------------------------
 
 def _compute(request: dict[str, Any], progress: ProgressCallback | None) -> ImatrixSummary:
-    from localrun.backends.llama_cpp import _import, _install_log_sink, last_log_error
+    from localrun.backends.llama_loader import library, load_model, model_file, model_params
     from localrun.generation import default_threads
 
     start = time.monotonic()
-    ll = _import()
-    _install_log_sink(ll)
-    ll.llama_backend_init()
+    ll = library()
     ggml = _ggml_lib()
     path, n_ctx = request["model"], int(request["n_ctx"])
-    if not Path(path).is_file():
-        raise BadModelFileError(f"model file {path} does not exist", "pass a .gguf file or a model name")
-    mparams = ll.llama_model_default_params()
-    mparams.n_gpu_layers = _gpu_layers(ll, path)
-    model = ll.llama_model_load_from_file(path.encode(), mparams)
-    if not model:
-        raise BadModelFileError(f"cannot load {path}: {last_log_error() or 'llama.cpp could not load it'}",
-                                "the file may be corrupt or of an architecture this llama.cpp does not know")
+    model = load_model(path, path, model_params(_gpu_layers(ll, model_file(Path(path)))))
     try:
         vocab = ll.llama_model_get_vocab(model)
         tokens = _tokens(ll, vocab, request["calibration"])
@@ -373,7 +215,7 @@ def _compute(request: dict[str, Any], progress: ProgressCallback | None) -> Imat
                           len(collector.sums), time.monotonic() - start, ppl)
 
 
-def _gpu_layers(ll: Any, path: str) -> int:
+def _gpu_layers(ll: Any, path: Path) -> int:
     """Every layer on the GPU when the build has one and the file fits; none otherwise."""
     if not ll.llama_supports_gpu_offload():
         return 0
@@ -381,7 +223,7 @@ def _gpu_layers(ll: Any, path: str) -> int:
 
     cards = gpus()
     free = cards[0].get("free_bytes") if cards else None
-    return -1 if free is None or Path(path).stat().st_size * 1.2 < free else 0
+    return -1 if free is None or path.stat().st_size * 1.2 < free else 0
 
 
 def _tokens(ll: Any, vocab: Any, calibration: str | list[int]) -> list[int]:
@@ -392,16 +234,9 @@ def _tokens(ll: Any, vocab: Any, calibration: str | list[int]) -> list[int]:
         if bad:
             raise UsageError(f"token id {bad[0]} is outside this model's vocabulary of {n_vocab}")
         return list(calibration)
-    data = calibration.encode("utf-8", "replace")
-    n_max = len(data) + 8
-    buf = (ll.llama_token * n_max)()
-    n = ll.llama_tokenize(vocab, data, len(data), buf, n_max, True, False)
-    if n < 0:
-        buf = (ll.llama_token * -n)()
-        n = ll.llama_tokenize(vocab, data, len(data), buf, -n, True, False)
-    if n < 0:
-        raise EngineError("llama.cpp could not tokenize the calibration text")
-    return list(buf[:n])
+    from localrun.backends.llama_loader import vocab_tokens
+
+    return vocab_tokens(ll, vocab, calibration.encode("utf-8", "replace"), True, False)
 
 
 def _evaluate(ll: Any, model: Any, vocab: Any, tokens: list[int], n_ctx: int, n_chunk: int,
@@ -412,7 +247,7 @@ def _evaluate(ll: Any, model: Any, vocab: Any, tokens: list[int], n_ctx: int, n_
     As llama-imatrix does, short chunks share a decode (one sequence each, up to BATCH_TOKENS
     tokens): every collected product ends a piece of the graph, so small decodes cost much more.
     """
-    from localrun.backends.llama_cpp import last_log_error
+    from localrun.backends.llama_loader import last_log_error, new_context
 
     n_seq = max(1, BATCH_TOKENS // n_ctx)
     cparams = ll.llama_context_default_params()
@@ -424,10 +259,7 @@ def _evaluate(ll: Any, model: Any, vocab: Any, tokens: list[int], n_ctx: int, n_
     cparams.no_perf = True
     cparams.cb_eval = collector.callback
     cparams.cb_eval_user_data = None
-    ctx = ll.llama_init_from_model(model, cparams)
-    if not ctx:
-        raise EngineError(f"cannot create a context of {n_seq * n_ctx} tokens: "
-                          f"{last_log_error() or 'not enough memory?'}", "try a smaller --ctx")
+    ctx = new_context(model, cparams, f"a context of {n_seq * n_ctx} tokens", "try a smaller --ctx")
     batch = ll.llama_batch_init(n_seq * n_ctx, 0, 1)
     add_bos, bos = ll.llama_vocab_get_add_bos(vocab), ll.llama_vocab_bos(vocab)
     n_vocab = ll.llama_vocab_n_tokens(vocab)
@@ -616,7 +448,3 @@ def write_imatrix(path: str | os.PathLike[str], sums: dict[str, np.ndarray], cou
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main())

@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from localrun.errors import BadModelFileError, EngineCrashedError, EngineError, UsageError
+from localrun.errors import BadModelFileError, EngineError, UsageError
 
 CACHE_VERSION = 1
 TAIL_MASS = 1e-3  # a reference row keeps its likeliest tokens until less than this is left
 _BLOCK = 1 << 20  # logits handled at once (rows x vocabulary)
-_EXITING = [False]  # set in the worker process, which ends as soon as its answer is sent
+_EXITING = [False]  # set in the job's child process, which ends as soon as its answer is sent
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class Divergence:
     cache_hit: bool  # the reference's logits came from the cache
     cache_path: str
     reference_seconds: float  # 0 on a cache hit
+    reference_path: str = ""  # the reference's file, when `reference` is its store name
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,16 @@ class EvalResult:
     ppl_error: float
     seconds: float
     divergence: Divergence | None = None
+    model_path: str = ""  # the model's file, when `model` is its store name
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
+        div = d.get("divergence")
+        return cls(**{**d, "divergence": Divergence(**div) if div is not None else None})
 
 
 Progress = Callable[[EvalProgress], None]
@@ -128,8 +135,8 @@ def evaluate(
     """Perplexity of model_path on the text at text_path; with reference_path, also the KL
     divergence and token agreement against that model (same vocabulary required).
 
-    Runs llama.cpp in this process; evaluate_in_worker (or EvalWorker) runs it where a native
-    crash is an error.
+    Runs llama.cpp in this process; evaluate_in_worker (or EvalWorker) runs it in a child
+    process, where a native crash is an error.
 
     Raises:
         UsageError: bad settings, or a text too short for n_ctx.
@@ -198,12 +205,9 @@ def evaluate(
 
 # -- llama.cpp ------------------------------------------------------------------------------
 def _llama() -> Any:
-    from localrun.backends.llama_cpp import _import, _install_log_sink
+    from localrun.backends.llama_loader import library
 
-    ll = _import()
-    _install_log_sink(ll)
-    ll.llama_backend_init()
-    return ll
+    return library()
 
 
 def _default_threads() -> int:
@@ -235,18 +239,9 @@ class _Settings:
 
 
 def _load_model(ll: Any, path: Path, gpu_layers: int, vocab_only: bool = False) -> Any:
-    from localrun.backends.llama_cpp import last_log_error
+    from localrun.backends.llama_loader import load_model, model_file, model_params
 
-    if not path.is_file():
-        raise BadModelFileError(f"model file {path} does not exist", "pass a .gguf file or an installed model's name")
-    params = ll.llama_model_default_params()
-    params.n_gpu_layers = gpu_layers
-    params.vocab_only = vocab_only
-    model = ll.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise BadModelFileError(f"cannot load model {path}: {last_log_error() or 'llama.cpp could not read it'}",
-                                "the file may be corrupt or of an architecture this llama.cpp build does not know")
-    return model
+    return load_model(str(model_file(path)), str(path), model_params(gpu_layers, vocab_only=vocab_only))
 
 
 def _vocab_hash(ll: Any, vocab: Any) -> tuple[int, str]:
@@ -279,7 +274,7 @@ class _Model:
     """A model and one context laid out as llama-perplexity's: n_seq streams of n_ctx tokens."""
 
     def __init__(self, ll: Any, path: Path, s: _Settings) -> None:
-        from localrun.backends.llama_cpp import last_log_error
+        from localrun.backends.llama_loader import new_context
 
         self.ll, self.s, self.path = ll, s, path
         self.ctx: Any = None
@@ -301,11 +296,12 @@ class _Model:
         cp.n_threads = cp.n_threads_batch = s.threads
         cp.swa_full = False  # llama-perplexity's (common's) default
         cp.kv_unified = False
-        self.ctx = ll.llama_init_from_model(self.model, cp)
-        if not self.ctx:
+        try:
+            self.ctx = new_context(self.model, cp, f"a context of {s.n_seq} x {s.n_ctx} tokens for {path.name}",
+                                   "try a smaller --batch-size or --ctx")
+        except EngineError:
             self.close()
-            raise EngineError(f"cannot create a context of {s.n_seq} x {s.n_ctx} tokens for {path.name}: "
-                              f"{last_log_error() or 'not enough memory?'}", "try a smaller --batch-size or --ctx")
+            raise
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(cp.n_batch, 0, 1)
         self.first = s.n_ctx // 2
@@ -318,16 +314,9 @@ class _Model:
         self.close()
 
     def tokenize(self, data: bytes) -> np.ndarray:
-        n_max = len(data) + 16
-        buf = (self.ll.llama_token * n_max)()
-        n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, False)
-        if n < 0:  # -n tokens needed
-            n_max = -n
-            buf = (self.ll.llama_token * n_max)()
-            n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, False)
-        if n < 0:
-            raise EngineError(f"tokenization of the text failed (code {n})")
-        return np.ctypeslib.as_array(buf)[:n].astype(np.int32)
+        from localrun.backends.llama_loader import vocab_tokens
+
+        return np.asarray(vocab_tokens(self.ll, self.vocab, data, True, False), dtype=np.int32)
 
     def chunks(self, tokens: np.ndarray, n_chunk: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(chunk index, logits of its scored positions, the tokens they predict) for each chunk.
@@ -365,7 +354,7 @@ class _Model:
                 b.n_tokens = group * size
                 rc = ll.llama_decode(self.ctx, b)
                 if rc != 0:
-                    from localrun.backends.llama_cpp import last_log_error
+                    from localrun.backends.llama_loader import last_log_error
 
                     raise EngineError(f"llama_decode failed on chunk {i + 1} (code {rc}) {last_log_error()}".strip())
                 n_out = int(np.count_nonzero(pos >= first))
@@ -682,49 +671,18 @@ def _reference_pass(ll: Any, path: Path, data: bytes, s: _Settings, chunks: int 
 
 
 # -- isolation ------------------------------------------------------------------------------
-def _resource_tracker_on_real_stderr() -> None:
-    """Start multiprocessing's resource tracker (which spawn needs) with a real stderr: a host
-    that replaces sys.stderr with a stream without a file descriptor (the TUI's capture, whose
-    fileno() is -1) would make it fail with "bad value(s) in fds_to_keep"."""
-    import sys
-    from multiprocessing import resource_tracker
-
-    try:
-        ok = sys.stderr is not None and sys.stderr.fileno() >= 0
-    except (AttributeError, OSError, ValueError):
-        ok = False
-    if ok:
-        return
-    saved = sys.stderr
-    with open(os.devnull, "w") as null:
-        sys.stderr = null
-        try:
-            resource_tracker.ensure_running()
-        finally:
-            sys.stderr = saved
-
 class EvalWorker:
-    """A child process for evaluate(): a native abort there becomes an EngineCrashedError here.
+    """evaluate() as a job in a child process (backends/isolation.py): a native abort there
+    becomes an EngineCrashedError here.
 
-    It starts loading llama.cpp at once, so a caller can resolve its models meanwhile; run()
-    evaluates once, then the process is gone.
+    The child starts loading llama.cpp at once, so a caller can resolve its models meanwhile;
+    run() evaluates once, then the process is gone.
     """
 
     def __init__(self) -> None:
-        import multiprocessing
-        import sys
-        import threading
+        from localrun.backends.isolation import Job
 
-        # fork saves starting an interpreter, but only a single-threaded parent that has not
-        # loaded llama.cpp (its OpenMP pool does not survive a fork) can be forked safely
-        safe = sys.platform == "linux" and threading.active_count() == 1 and "llama_cpp" not in sys.modules
-        mp: Any = multiprocessing.get_context("fork" if safe else "spawn")
-        self.conn, child = mp.Pipe()
-        self.proc = mp.Process(target=_worker, args=(child,), daemon=True)
-        if not safe:
-            _resource_tracker_on_real_stderr()
-        self.proc.start()
-        child.close()
+        self.job = Job("localrun.workbench.perplexity:job", "evaluating", warm="localrun.backends.llama_loader:library")
 
     def __enter__(self) -> EvalWorker:
         return self
@@ -735,40 +693,15 @@ class EvalWorker:
     def run(self, model_path: str | os.PathLike[str], text_path: str | os.PathLike[str],
             reference_path: str | os.PathLike[str] | None = None, *, progress: Progress | None = None,
             **options: Any) -> EvalResult:
-        """evaluate(model_path, text_path, reference_path, **options) in the worker."""
-        from localrun.backends.channel import payload_error
-
-        try:
-            self.conn.send((str(model_path), str(text_path), None if reference_path is None else str(reference_path),
-                            options))
-            while True:
-                kind, value = self.conn.recv()
-                if kind == "progress":
-                    if progress is not None:
-                        progress(value)
-                elif kind == "ok":
-                    return value  # type: ignore[no-any-return]
-                else:
-                    raise payload_error(value)
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            raise self._crashed(Path(model_path).name) from None
-        finally:
-            self.close()
-
-    def _crashed(self, name: str) -> EngineCrashedError:
-        import signal
-
-        self.proc.join(timeout=5)
-        code = self.proc.exitcode or 0
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        return EngineCrashedError(f"llama.cpp crashed while evaluating {name} ({how})",
-                                  "the model file may be damaged or unsupported; localrun is still running")
+        """evaluate(model_path, text_path, reference_path, **options) in the child."""
+        self.job.activity = f"evaluating {Path(model_path).name}"
+        request = {"model": str(model_path), "text": str(text_path),
+                   "reference": None if reference_path is None else str(reference_path), "options": options}
+        result = self.job.run(request, lambda e: progress(EvalProgress(**e)) if progress is not None else None)
+        return EvalResult.from_dict(result)
 
     def close(self) -> None:
-        self.conn.close()
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.proc.join(timeout=5)
+        self.job.close()
 
 
 def evaluate_in_worker(
@@ -780,28 +713,17 @@ def evaluate_in_worker(
     **options: Any,
 ) -> EvalResult:
     """evaluate() in a child process (see EvalWorker)."""
-    return EvalWorker().run(model_path, text_path, reference_path, progress=progress, **options)
+    with EvalWorker() as worker:
+        return worker.run(model_path, text_path, reference_path, progress=progress, **options)
 
 
-def _worker(conn: Any) -> None:
-    import signal
-
-    from localrun.backends.channel import error_payload
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+def job(request: dict[str, Any], emit: Callable[[Any], None]) -> dict[str, Any]:
+    """The isolated side (see backends/isolation.py): progress events, then the result."""
     _keep_freed_memory()
     _EXITING[0] = True
-    try:
-        _llama()  # while the parent resolves its models
-        model, text, reference, options = conn.recv()
-        result = evaluate(model, text, reference, progress=lambda e: conn.send(("progress", e)), **options)
-        conn.send(("ok", result))
-    except EOFError:
-        pass  # the parent went away before sending work
-    except Exception as e:  # every error crosses the pipe as the caller's LocalrunError
-        conn.send(("error", error_payload(e)))
-    finally:
-        conn.close()
+    result = evaluate(request["model"], request["text"], request["reference"],
+                      progress=lambda e: emit(dataclasses.asdict(e)), **request["options"])
+    return result.to_dict()
 
 
 def _keep_freed_memory() -> None:
