@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +39,42 @@ def _state(out: Path) -> Ladder | None:
         return None
 
 
+def _kill_between_rungs(cmd: list[str], out: Path, n_rungs: int, log: Path) -> Ladder:
+    """Start the ladder and SIGKILL it once ladder.json lists a finished rung but not every rung.
+
+    The declared state is read with the ladder stopped (SIGSTOP), so what was read is what the
+    kill interrupted; a ladder that ends first fails the test instead of passing without a kill.
+    """
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            while proc.poll() is None:
+                os.kill(proc.pid, signal.SIGSTOP)
+                state = _state(out)
+                if state is not None and 0 < len(state.rungs) < n_rungs:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                os.kill(proc.pid, signal.SIGCONT)
+                time.sleep(0.05)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the ladder ended (rc {proc.returncode}) before it was killed: {log.read_text()[-2000:]}")
+    assert state is not None and 0 < len(state.rungs) < n_rungs
+    return state
+
+
 def test_three_rungs_resume_after_sigkill(stories: Path, tmp_path: Path, cli: Any) -> None:
     text, out = _text(tmp_path), tmp_path / "ladder"
     types = "q8_0,q5_0,q4_0"
     cmd = [sys.executable, "-m", "localrun", "quantize", str(stories), "--ladder", types, "-o", str(out),
            "--text", str(text), "--imatrix", "none", "--name", "tiny", *FAST]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # The declared state: ladder.json lists the first rung once it is built and measured.
-    import time
-
-    while proc.poll() is None:
-        state = _state(out)
-        if state is not None and state.rungs:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.wait()
+    killed = _kill_between_rungs(cmd, out, len(types.split(",")), tmp_path / "ladder.log")
     first = _state(out)
-    assert first is not None and first.rungs, proc.stderr.read() if proc.stderr else ""
+    assert first is not None and first.rungs == killed.rungs  # SIGKILL runs no cleanup, and none was needed
     kept = {r.type: Path(r.path).stat().st_mtime_ns for r in first.rungs}
 
     res = cli(*cmd[3:])
