@@ -97,9 +97,74 @@ def closed_objects(node: Any) -> Any:
     return out
 
 
+# Numbers as llama.cpp's schema grammars bound them: at most 16 integer digits. A fraction is
+# bounded through multipleOf, whose finest step llguidance takes is 1e-10 (10 digits, no exponent).
+INT_LIMIT = 10**16 - 1
+FRACTION_STEP = 1e-10
+_ANY = "__localrun_any"
+_ANY_REF = {"$ref": f"#/$defs/{_ANY}"}
+_COMPOSED = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not", "properties", "items",
+             "prefixItems", "additionalProperties", "pattern", "format", "minLength", "maxLength")
+
+
+def _bounded_number(node: dict[str, Any], integer: bool) -> None:
+    if "minimum" not in node and "exclusiveMinimum" not in node:
+        node["minimum"] = -INT_LIMIT
+    if "maximum" not in node and "exclusiveMaximum" not in node:
+        node["maximum"] = INT_LIMIT
+    if not integer and "multipleOf" not in node:
+        node["multipleOf"] = FRACTION_STEP
+
+
+def bounded_numbers(node: Any) -> Any:
+    """A copy of schema in which every number the output can hold has a bounded length: integer
+    parts of at most 16 digits and fractions of at most 10 (unless the schema narrows them), also
+    inside values of any type. Left unbounded, a model can write digits until its budget ends."""
+    defs: dict[str, Any] = {}
+
+    def walk(n: Any) -> Any:
+        if n is True or (isinstance(n, Mapping) and not any(k in n for k in _COMPOSED)):
+            defs[_ANY] = True
+            return dict(_ANY_REF, **n) if isinstance(n, Mapping) else dict(_ANY_REF)
+        if not isinstance(n, Mapping):
+            return n
+        out: dict[str, Any] = {}
+        for k, v in n.items():
+            if k in ("properties", "$defs", "definitions") and isinstance(v, Mapping):
+                out[k] = {name: walk(child) for name, child in v.items()}
+            elif k in ("items", "additionalProperties", "not") and isinstance(v, (Mapping, bool)):
+                out[k] = walk(v) if v is not False else v
+            elif k in ("prefixItems", "anyOf", "oneOf", "allOf") and isinstance(v, list):
+                out[k] = [walk(child) for child in v]
+            else:
+                out[k] = v
+        types = out.get("type")
+        types = [types] if isinstance(types, str) else list(types or [])
+        if "number" in types or "integer" in types:
+            _bounded_number(out, "number" not in types)
+        if "object" in types and "additionalProperties" not in out and "properties" not in out:
+            out["additionalProperties"] = walk(True)
+        if "array" in types and "items" not in out and "prefixItems" not in out:
+            out["items"] = walk(True)
+        return out
+
+    root = walk(node)
+    if defs:
+        number: dict[str, Any] = {"type": "number"}
+        _bounded_number(number, False)
+        any_value = {"anyOf": [{"type": "string"}, number, {"type": ["boolean", "null"]},
+                               {"type": "array", "items": _ANY_REF},
+                               {"type": "object", "additionalProperties": _ANY_REF}]}
+        root = dict(root)
+        root["$defs"] = {**root.get("$defs", {}), _ANY: any_value}
+    return root
+
+
 def schema_lark(schema: Any, rule: str = "start") -> str:
-    """The Lark rule for JSON that validates against schema (compact separators, closed objects)."""
-    body = closed_objects(schema) if isinstance(schema, Mapping) else ({} if schema else {"not": {}})
+    """The Lark rule for JSON that validates against schema (compact separators, closed objects,
+    numbers of bounded length)."""
+    body = bounded_numbers(closed_objects(schema)) if isinstance(schema, Mapping) or schema is True \
+        else {"not": {}}
     body.setdefault("x-guidance", _JSON_STYLE)
     # '<' spelled \u003c: nothing inside a schema can be taken for a <<special:...>> placeholder
     return f"{rule}: %json {json.dumps(body, ensure_ascii=False).replace('<', chr(92) + 'u003c')}\n"

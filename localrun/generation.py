@@ -74,6 +74,10 @@ class GenerationParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "lora", _adapters(self.lora))
 
+    def budget(self, n_ctx: int, n_prompt: int) -> int:
+        """How many tokens the reply may have: max_tokens, within what the context has left."""
+        return min(self.max_tokens or n_ctx, n_ctx - n_prompt)
+
     @property
     def penalized(self) -> bool:
         """Whether any repetition penalty applies."""

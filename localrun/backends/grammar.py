@@ -20,6 +20,16 @@ from localrun.constraint import import_llguidance
 from localrun.errors import UsageError
 from localrun.tools import resolve_specials
 
+# Near the end of a constrained reply's budget (the last _LOOKAHEAD tokens), a closing path is
+# looked for at each step; when it needs all but _MARGIN of the tokens left, the likeliest
+# _CANDIDATES allowed tokens are checked for room to finish after them.
+_LOOKAHEAD = 512
+_MARGIN = 8
+_CANDIDATES = 8
+# Closers outside a string (brackets before a new string or number) and inside one.
+_OUTSIDE = '}]"0,:tfn-.1{[ a'
+_INSIDE = '"a0}],:tfn-.1{[ '
+
 
 class Grammars:
     """An engine's grammar compiler: its llguidance tokenizer (built once, on first use) and a
@@ -33,6 +43,7 @@ class Grammars:
         self.n_vocab = n_vocab
         self.piece = piece  # a token's text, control tokens included (for triggers)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._closers: tuple[list[int], list[int], int | None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -55,44 +66,127 @@ class Grammars:
             self._compiled.move_to_end(lark)
         return fresh.deep_copy()
 
-    def state(self, lark: str | None, trigger: str | None) -> GrammarState | None:
+    def state(self, lark: str | None, trigger: str | None, budget: int | None = None) -> GrammarState | None:
+        """A sequence's constraint; with a budget (the most tokens the reply may have), the reply is
+        steered to a complete parse before the budget ends."""
         if lark is None:
             return None
         matcher = self.matcher(lark)  # compile now: a bad grammar fails this request before it runs
-        return GrammarState(self, lark, trigger, None if trigger else matcher)
+        return GrammarState(self, lark, trigger, None if trigger else matcher, budget)
+
+    def closers(self) -> tuple[list[int], list[int], int | None]:
+        """Single-character tokens tried, in order, to close a reply: outside a string, inside
+        one, and the token of a letter (allowed almost only inside strings)."""
+        if self._closers is None:
+            tokenize = self.tokenizer.tokenize_str
+
+            def ids(chars: str) -> list[int]:
+                out = []
+                for c in chars:
+                    t = tokenize(c)
+                    if len(t) == 1 and t[0] not in out:
+                        out.append(t[0])
+                return out
+
+            letter = ids("a")
+            self._closers = (ids(_OUTSIDE), ids(_INSIDE), letter[0] if letter else None)
+        return self._closers
+
+    def closing(self, matcher: Any, limit: int) -> list[int] | None:
+        """A short token path from matcher's state to one where the grammar is complete, or None
+        when none of at most `limit` tokens is found. Forced text is taken as the grammar's own
+        tokens; elsewhere the first allowed closer (a quote, a bracket, a digit...) is taken."""
+        m = matcher.deep_copy()
+        outside, inside, letter = self.closers()
+        path: list[int] = []
+        while not m.is_accepting():
+            if len(path) > limit or m.is_stopped() or m.is_error():
+                return None
+            forced = m.compute_ff_tokens()
+            if forced:
+                m.consume_tokens(forced)
+                path.extend(forced)
+                continue
+            in_text = letter is not None and m.validate_tokens([letter]) == 1
+            for t in inside if in_text else outside:
+                if m.validate_tokens([t]) == 1:
+                    m.consume_token(t)
+                    path.append(t)
+                    break
+            else:
+                return None
+        return path
 
 
 class GrammarState:
-    """One sequence's constraint: inactive until its trigger, then a matcher that masks tokens."""
+    """One sequence's constraint: inactive until its trigger, then a matcher that masks tokens.
 
-    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "_bits")
+    With a budget, the last tokens are kept on a path to a complete parse: near the end, only
+    those of the model's likeliest allowed tokens after which the reply can still be closed in
+    the tokens left stay allowed (or the first step of a closing path when none can), so a reply
+    cut by its budget still parses (and still says finish_reason "length").
+    """
 
-    def __init__(self, grammars: Grammars, lark: str, trigger: str | None, matcher: Any) -> None:
+    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "_bits")
+
+    def __init__(self, grammars: Grammars, lark: str, trigger: str | None, matcher: Any,
+                 budget: int | None = None) -> None:
         self.grammars = grammars
         self.lark = lark
         self.trigger = trigger
         self.matcher = matcher
         self.text = ""  # output so far, while waiting for the trigger
         self.consumed = 0  # tokens seen (the MLX processor counts with it)
+        self.budget = budget
         self._bits: Any = None
 
     @property
     def active(self) -> bool:
         return self.matcher is not None
 
-    def allowed(self) -> Any:
-        """A boolean numpy array over the vocabulary: the tokens the grammar allows next."""
+    def allowed(self, logits: Callable[[], Any] | None = None) -> Any:
+        """A boolean numpy array over the vocabulary: the tokens the grammar allows next, and, near
+        the end of the budget, that leave room to finish. `logits` gives this step's logits (a
+        numpy vector), read only near the end."""
         import numpy as np
 
         if self._bits is None:
             self._bits = np.zeros((1, (self.grammars.n_vocab + 31) // 32), dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.grammars.n_vocab].astype(bool)
+        mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.grammars.n_vocab].astype(bool)
+        if self.budget is None or self.budget - self.consumed > _LOOKAHEAD:
+            return mask
+        return self._finishing(mask, self.budget - self.consumed, logits)
+
+    def _finishing(self, mask: Any, left: int, logits: Callable[[], Any] | None) -> Any:
+        import numpy as np
+
+        grammars = self.grammars
+        path = grammars.closing(self.matcher, left)
+        if path is None or len(path) + _MARGIN < left:
+            return mask
+        keep: list[int] = []
+        if logits is not None:
+            scores = np.where(mask, np.asarray(logits(), dtype=np.float32)[: mask.shape[0]], -np.inf)
+            top = np.argsort(-scores)[:_CANDIDATES]
+            for t in (int(t) for t in top if np.isfinite(scores[t])):
+                after = self.matcher.deep_copy()
+                if not after.consume_token(t) or after.is_stopped():
+                    keep.append(t)  # an end-of-generation token: the reply is complete
+                    continue
+                rest = grammars.closing(after, left - 1)
+                if rest is not None and len(rest) <= left - 1:
+                    keep.append(t)
+        if not keep:  # the first step of the closing path; when complete, the end of generation
+            keep = [path[0]] if path else list(grammars.tokenizer.eos_tokens)
+        out = np.zeros_like(mask)
+        out[keep] = True
+        return out & mask if mask[keep].any() else mask
 
     def mask_logits(self, logits: Any) -> None:
         """Forbid, in place, every token the grammar does not allow (a numpy float array)."""
         if self.matcher is not None:
-            logits[~self.allowed()] = -float("inf")
+            logits[~self.allowed(lambda: logits)] = -float("inf")
 
     def accept(self, token: int) -> None:
         self.consumed += 1

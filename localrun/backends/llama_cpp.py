@@ -343,7 +343,7 @@ class LlamaCppEngine:
             # Sequences live in separate KV streams, which llama.cpp copies only whole.
             ll.llama_memory_seq_rm(mem, slot, -1, -1)
             ll.llama_memory_seq_cp(mem, source, slot, -1, -1)
-        grammar = self.grammars.state(params.grammar, params.grammar_trigger)
+        grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
         return keep

@@ -63,7 +63,7 @@ class _Job:
         self.lps: list[TokenLogprob] = []
         self.slot = -1
         self.n_gen = 0
-        self.budget = min(params.max_tokens or n_ctx, n_ctx - len(tokens))
+        self.budget = params.budget(n_ctx, len(tokens))
         self.generated: list[int] = []
         self.t0 = self.t1 = 0.0
         self.sampled = False

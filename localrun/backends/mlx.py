@@ -138,7 +138,7 @@ def constrain(mx: Any, grammar: GrammarState, n_fed: int) -> Callable[[Any, Any]
             grammar.accept(int(t))
         if not grammar.active:
             return logits
-        allowed = grammar.allowed()
+        allowed = grammar.allowed(lambda: np.array(logits[0].astype(mx.float32)))
         vocab = logits.shape[-1]
         if allowed.shape[0] < vocab:
             allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=bool)])
@@ -404,7 +404,7 @@ class MLXEngine:
         processors = []
         if params.penalized:
             processors.append(penalties(mx, params, len(tokens) - keep))
-        grammar = self.grammars.state(params.grammar, params.grammar_trigger)
+        grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         if grammar is not None:
             processors.append(constrain(mx, grammar, len(tokens) - keep))
         (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
