@@ -29,6 +29,7 @@ from localrun.system import disk_full
 
 if TYPE_CHECKING:
     from localrun.adapters import Target
+    from localrun.fit import ContextChoice
     from localrun.pool import Pool
 
 
@@ -279,6 +280,14 @@ def chat_template(model: ModelInfo) -> str | None:
     if isinstance(tpl, list):  # named templates: the default one
         tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
     return tpl if isinstance(tpl, str) and tpl.strip() else None
+
+
+def default_context(model: ModelInfo, options: LoadOptions | None = None) -> ContextChoice:
+    """The context per sequence the model loads with under these options, and why: --ctx if
+    set, else the trained context when memory holds it for options.n_parallel sequences."""
+    from localrun.fit import context_for
+
+    return context_for(model, options or LoadOptions())
 
 
 def build_messages(prompt: str, system: str | None = None, history: list[dict[str, str]] | None = None) -> Request:

@@ -7,16 +7,24 @@ safetensors and MLX repositories are sized from config.json and their weight fil
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from localrun.errors import BadModelFileError, HubError
 from localrun.gguf_header import Experts
+
+if TYPE_CHECKING:
+    from localrun.generation import LoadOptions
+    from localrun.store import ModelInfo
 
 FIRST_READ = 1 << 20  # the header of most GGUFs fits in 1 MiB; vocabularies can take several
 MAX_HEADER = 256 << 20
 KV_BYTES = 2  # f16 K and V caches, llama.cpp's and MLX's default
 GPU_USABLE = 0.9  # the driver, the display and the compute buffers take the rest
+# The default context takes the model's trained context when the weights and every sequence's KV
+# cache fit in this share of the memory free at load (the rest: other programs, other models).
+MEMORY_SHARE = 0.5
+SMALL_CONTEXT = 4096  # for a model that declares no trained context, and the least a default goes down to
 
 
 @dataclass(frozen=True)
@@ -106,9 +114,23 @@ def read_remote_gguf(name: str, size: int, read_range: Callable[[int, int], byte
 
 def shape_from_gguf(meta: Any) -> Shape:
     """Layers, KV heads and head sizes from GGUF metadata."""
+    return _gguf_shape(meta.arch_value, meta.context_length, meta.architecture)
 
+
+def shape_of(model: ModelInfo) -> Shape:
+    """The same for an installed model, from what the store read when it was added."""
+    if model.format == "gguf":
+        meta = model.details.get("metadata") or {}
+        return _gguf_shape(lambda key: meta.get(f"{model.architecture}.{key}"), model.context_length, model.architecture)
+    config = model.details.get("config")
+    if isinstance(config, dict) and config:
+        return shape_from_config(config)
+    return Shape(None, None, None, None, model.context_length, model.architecture)
+
+
+def _gguf_shape(arch_value: Callable[[str], Any], context_length: int | None, architecture: str | None) -> Shape:
     def num(key: str) -> int | None:
-        value = meta.arch_value(key)
+        value = arch_value(key)
         return int(value) if isinstance(value, int) else None
 
     heads = num("attention.head_count")
@@ -119,8 +141,8 @@ def shape_from_gguf(meta: Any) -> Shape:
         kv_heads=num("attention.head_count_kv") or heads,
         key_dim=num("attention.key_length") or head_dim,
         value_dim=num("attention.value_length") or head_dim,
-        context_length=meta.context_length,
-        architecture=meta.architecture,
+        context_length=context_length,
+        architecture=architecture,
     )
 
 
@@ -149,13 +171,71 @@ def kv_cache_bytes(shape: Shape, context: int) -> int:
     return shape.layers * context * shape.kv_heads * (shape.key_dim + shape.value_dim) * KV_BYTES
 
 
-def default_context(shape: Shape, context: int | None) -> int:
-    """The context the engines load by default: the model's own, capped (LoadOptions.DEFAULT_CTX)."""
-    from localrun.generation import LoadOptions
+def overhead_bytes(weights: int) -> int:
+    """Compute buffers and runtime: a fixed part plus a share of the weights (llama.cpp's graphs)."""
+    return (256 << 20) + weights // 20
 
-    if context:
-        return context
-    return min(shape.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context each sequence gets, and why."""
+
+    tokens: int  # per sequence
+    trained: int | None  # what the model was trained for (GGUF context_length, max_position_embeddings)
+    sequences: int  # the parallel sequences it was sized for
+    reason: str  # "set by --ctx", "fits in memory", "memory holds N for 4 sequences", ...
+
+    @property
+    def text(self) -> str:
+        """E.g. "8192 (trained 8192; fits in memory)"."""
+        trained = f"trained {self.trained}" if self.trained else "trained context unknown"
+        return f"{self.tokens} ({trained}; {self.reason})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "trained": self.trained, "sequences": self.sequences, "reason": self.reason}
+
+
+def choose_context(shape: Shape, weights: int, requested: int | None = None, sequences: int = 1,
+                   memory: int | None = None) -> ContextChoice:
+    """The context per sequence the engines load: `requested` (--ctx) if given, else the model's
+    trained context when the weights and the KV cache of every sequence fit in MEMORY_SHARE of
+    the memory the model loads into (`memory`, default: this machine's), else as much as does
+    (never under min(trained, SMALL_CONTEXT): the engine then says what it cannot allocate)."""
+    trained = shape.context_length if shape.context_length and shape.context_length > 0 else None
+    sequences = max(1, sequences)
+    if requested:
+        return ContextChoice(requested, trained, sequences, "set by --ctx")
+    if trained is None:
+        return ContextChoice(SMALL_CONTEXT, None, sequences, f"{SMALL_CONTEXT}, as the model declares none")
+    per_token = kv_cache_bytes(shape, 1)
+    budget = int((memory if memory is not None else _capacity(weights)) * MEMORY_SHARE)
+    room = budget - weights - overhead_bytes(weights)
+    if per_token == 0 or per_token * sequences * trained <= room:
+        return ContextChoice(trained, trained, sequences, "fits in memory" + (f" for {sequences} sequences" if sequences > 1 else ""))
+    fits = max(0, room) // (per_token * sequences) // 256 * 256
+    tokens = max(min(trained, SMALL_CONTEXT), fits)
+    who = "a sequence" if sequences == 1 else f"{sequences} sequences"
+    return ContextChoice(tokens, trained, sequences, f"memory holds {fits} tokens for {who}")
+
+
+def context_for(model: ModelInfo, options: LoadOptions, trained: int | None = None) -> ContextChoice:
+    """The context an engine loads a model with under these options (--ctx, --parallel);
+    `trained`: the trained context as the loaded engine reads it, over the store's."""
+    shape = shape_of(model)
+    if trained:
+        shape = replace(shape, context_length=trained)
+    return choose_context(shape, model.size, options.n_ctx, options.n_parallel)
+
+
+def _capacity(weights: int) -> int:
+    """The memory a model loads into: the GPU's when the weights fit there, else the available RAM."""
+    from localrun.system import gpus, ram_bytes
+
+    ram_total, ram_available = ram_bytes()
+    gpu = max((int(g.get("free_bytes") or g.get("total_bytes") or 0) for g in gpus()), default=0)
+    if gpu and weights + overhead_bytes(weights) <= gpu * GPU_USABLE:
+        return int(gpu * GPU_USABLE)
+    return ram_available or ram_total or 0
 
 
 def parameters_from_gguf(meta: Any, weights: int | None = None) -> tuple[int, int | None, Experts | None]:
@@ -178,10 +258,9 @@ def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, cont
     'all') the expert weights of those layers count toward host memory, not the GPU's."""
     from localrun.system import gpus, ram_bytes
 
-    ctx = default_context(shape, context)
+    ctx = choose_context(shape, weights, context).tokens
     kv = kv_cache_bytes(shape, ctx)
-    # Compute buffers and runtime: a fixed part plus a share of the weights (llama.cpp's graphs).
-    overhead = (256 << 20) + weights // 20
+    overhead = overhead_bytes(weights)
     total = weights + kv + overhead
     ram_total, ram_available = ram_bytes()
     ram = ram_available or ram_total or 0

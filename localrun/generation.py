@@ -109,7 +109,7 @@ def default_threads() -> int:
 class LoadOptions:
     """How an engine loads a model."""
 
-    n_ctx: int | None = None  # None: the model's own, capped at DEFAULT_CTX
+    n_ctx: int | None = None  # tokens per sequence; None: the model's trained context if memory holds it (fit.context_for)
     n_threads: int | None = None
     gpu_layers: int | str = "auto"  # "auto": all layers that fit; 0: CPU only
     flash_attn: bool | None = None  # None: the engine decides
@@ -122,8 +122,6 @@ class LoadOptions:
     # Mixture-of-experts models: the expert tensors of the first N layers ("all": every layer) stay
     # in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe do; 0: placed like the other tensors.
     cpu_moe: int | str = 0
-
-    DEFAULT_CTX = 4096
 
     def __post_init__(self) -> None:
         _check(self.n_ctx is None or 16 <= self.n_ctx <= 1 << 22, "--ctx", self.n_ctx, "an integer of at least 16")

@@ -22,6 +22,7 @@ from localrun.errors import (
     ContextOverflowError,
     EngineError,
 )
+from localrun.fit import context_for
 from localrun.generation import (
     GenerationParams,
     LoadOptions,
@@ -107,7 +108,7 @@ class LlamaCppEngine:
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_train = ll.llama_model_n_ctx_train(self.model)
-        self.n_ctx = options.n_ctx or min(self.n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+        self.n_ctx = context_for(model, options, self.n_train).tokens  # the trained context, if memory holds it
         self.threads = options.n_threads or default_threads()
         self.add_bos = bool(ll.llama_vocab_get_add_bos(self.vocab))
         self.bos = ll.llama_vocab_bos(self.vocab)

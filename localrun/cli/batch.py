@@ -69,7 +69,6 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from localrun import api
     from localrun import batch as batching
     from localrun.errors import UsageError
-    from localrun.generation import LoadOptions
 
     if args.ray is not None:
         api.ray_installed()  # the install hint before any work
@@ -96,7 +95,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if plan is not None:
         rows, params = batching.with_tools(rows, params, plan), plan.params(params)
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
-        limit = min(model.context_length or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+        limit = api.default_context(model, options).tokens
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
     cancel = threading.Event()
     summary: Any = None

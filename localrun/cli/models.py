@@ -82,8 +82,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     from localrun.gguf_header import model_experts
 
     experts = model_experts(m.details)
+    context = None if m.is_adapter else api.default_context(m)
     if args.json:
         out = m.to_dict(with_details=True)
+        if context is not None:
+            out["context"] = context.to_dict()
         if experts is not None:
             out["experts"] = {"count": experts.count, "used": experts.used, "shared": experts.shared,
                               "active_parameters": experts.active_parameters, "expert_bytes": experts.expert_bytes}
@@ -97,7 +100,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("name", m.name), ("path", m.path), ("format", m.format), ("source", m.source),
         ("architecture", m.architecture), ("parameters", params),
         ("experts", experts_text(experts.count, experts.used, experts.shared) if experts else None),
-        ("quantization", m.quantization), ("size", human_size(m.size)), ("context length", m.context_length),
+        ("quantization", m.quantization), ("size", human_size(m.size)), ("context", context.text if context else m.context_length),
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
     ]

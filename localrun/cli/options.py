@@ -155,7 +155,8 @@ def tool_plan_from_args(args: argparse.Namespace, model: Any) -> Any:
 def add_load_flags(p: argparse.ArgumentParser) -> None:
     """Engine loading flags."""
     g = p.add_argument_group("engine")
-    g.add_argument("--ctx", type=int, help="context length in tokens (default: the model's, at most 4096)")
+    g.add_argument("--ctx", type=int, help="context length in tokens per sequence (default: the model's trained context when memory "
+                        "holds it for every sequence; 'localrun show' says which)")
     g.add_argument("--threads", type=int, help="CPU threads (default: every core up to 4)")
     g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
                    help="layers to offload to the GPU (default auto: all that fit)")
