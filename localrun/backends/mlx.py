@@ -23,7 +23,6 @@ from localrun.errors import (
     EngineError,
     UsageError,
 )
-from localrun.fit import context_for
 from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
@@ -271,7 +270,7 @@ class MLXEngine:
             self._apply_lora()
         self.config = config
         n_train = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-        self.n_ctx = context_for(model, options, n_train).tokens  # the trained context, if memory holds it
+        self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
         self.n_train = n_train
         self.n_slots = options.n_parallel
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer.get_vocab()))
@@ -308,16 +307,22 @@ class MLXEngine:
         self.mx.eval(self.model.parameters())
 
     def _llg_tokenizer(self) -> Any:
-        """llguidance's view of the Hugging Face tokenizer, with every EOS token as its EOS."""
-        import_llguidance()
-        from llguidance.hf import from_tokenizer
+        """llguidance's view of the Hugging Face tokenizer, with every EOS token as its EOS, once
+        it is shown to agree with the model's own tokenizer (BackendUnavailableError if not)."""
+        from localrun.backends.grammar_vocab import agreeing_tokenizer
 
+        import_llguidance()
         hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        try:
-            return from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos))
-        except ValueError as e:
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
             raise UsageError(f"structured output on MLX needs a fast (tokenizer.json) tokenizer; "
-                             f"'{self.model_info.name}' has another kind ({e})") from e
+                             f"'{self.model_info.name}' has another kind ({type(hf).__name__})")
+
+        def emitted(ids: list[int]) -> str:  # what a reply of these tokens shows
+            detok = self.detokenizer()
+            return "".join(detok.feed(t) for t in ids) + detok.flush()
+
+        return agreeing_tokenizer(backend, self.vocab_size, sorted(self.eos), self.model_info.name, emitted)
 
     def special_id(self, text: str) -> int | None:
         """The id of the added (special) token spelled `text`, if the tokenizer has one."""
