@@ -23,6 +23,7 @@ from localrun.errors import (
     EngineError,
     UsageError,
 )
+from localrun.fit import context_for
 from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
@@ -270,7 +271,7 @@ class MLXEngine:
             self._apply_lora()
         self.config = config
         n_train = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-        self.n_ctx = options.n_ctx or min(n_train or LoadOptions.DEFAULT_CTX, LoadOptions.DEFAULT_CTX)
+        self.n_ctx = context_for(model, options, n_train).tokens  # the trained context, if memory holds it
         self.n_train = n_train
         self.n_slots = options.n_parallel
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer.get_vocab()))
