@@ -84,7 +84,7 @@ def localrun_decode(model: str, n_tokens: int, threads: int, gpu_layers: int) ->
     info = session.info()
     stamps: list[float] = []
     try:
-        for chunk in api.generate(session, Request.raw(PROMPT), GenerationParams(temperature=0, max_tokens=n_tokens)):
+        for chunk in api.stream(session, Request.raw(PROMPT), GenerationParams(temperature=0, max_tokens=n_tokens)):
             if chunk.done:
                 n = chunk.completion_tokens
                 break

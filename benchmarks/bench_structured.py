@@ -67,12 +67,15 @@ def valid(text: str) -> bool:
 
 def localrun_round(session: Any, budgets: list[int], grammar: str | None) -> tuple[float, list[int], float]:
     """(generated tokens per second of wall time, tokens of each row, share of rows that validate)."""
+    from dataclasses import asdict
+
+    from localrun.backends.base import RowResult
     from localrun.generation import GenerationParams, Request
 
     rows = [(i, Request.chat([{"role": "user", "content": prompt(i)}]),
              GenerationParams(temperature=0.7, seed=i, max_tokens=b, grammar=grammar)) for i, b in enumerate(budgets)]
     t = time.perf_counter()
-    out = {e["row"]["id"]: e["row"] for e in session.generate_many(rows) if "row" in e}
+    out = {e.id: asdict(e) for e in session.generate_many(rows) if isinstance(e, RowResult)}
     wall = time.perf_counter() - t
     counts = [out[i].get("completion_tokens", 0) for i in range(len(budgets))]
     return sum(counts) / wall, counts, sum(valid(r.get("text", "")) for r in out.values()) / len(budgets)

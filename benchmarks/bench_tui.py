@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_tui.py [--tokens 256] [--rounds 3]
 
-1. Streaming: the same greedy prompt through `api.generate` (the backend's raw stream, engine in
+1. Streaming: the same greedy prompt through `api.stream` (the backend's raw stream, engine in
    its worker process) and through the headless app's chat screen (worker thread -> messages ->
    MarkdownStream -> rendered). Speed is (tokens - 1) / (time of the last piece - time of the first
    piece), measured where each consumer sees the text; for the chat screen that is after the
@@ -41,7 +41,7 @@ def raw_speed(params: Any, options: Any) -> tuple[float, int, float]:
         first = last = 0.0
         pieces = 0
         done: Any = None
-        for chunk in api.generate(session, request, params):
+        for chunk in api.stream(session, request, params):
             now = time.perf_counter()
             if chunk.done:
                 done = chunk

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from localrun.backends.base import abilities, engines_with
 from localrun.errors import ConversionError, ModelNotFoundError, UsageError
 from localrun.generation import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, Store, hf_cache_dir, normalize_name
@@ -48,27 +49,29 @@ class Target:
         return "+".join([self.model.name, *(a.name if s == 1.0 else f"{a.name}:{s:g}" for a, s in self.adapters)])
 
     def load_options(self, options: LoadOptions, engine: str) -> LoadOptions:
-        """The load options for this engine: MLX applies the adapters' PEFT folders when it loads."""
-        if engine != "mlx" or not self.adapters:
+        """The load options for this engine: one that applies adapters when it loads gets their PEFT folders."""
+        if abilities(engine).request_adapters or not self.adapters:
             return options
-        return replace(options, lora=tuple((peft_folder(a), s) for a, s in self.adapters))
+        return replace(options, lora=tuple((peft_folder(a, engine), s) for a, s in self.adapters))
 
     def params(self, params: GenerationParams, engine: str) -> GenerationParams:
-        """The generation settings for this engine: llama.cpp applies the GGUF adapters per request."""
-        if engine == "mlx" or not self.adapters:
+        """The generation settings for this engine: one that applies adapters per request gets their GGUF files."""
+        if not abilities(engine).request_adapters or not self.adapters:
             return params
         return replace(params, lora=tuple((a.path, s) for a, s in self.adapters))
 
 
-def peft_folder(adapter: ModelInfo) -> str:
-    """The PEFT folder an adapter was converted from (what MLX loads)."""
+def peft_folder(adapter: ModelInfo, engine: str) -> str:
+    """The PEFT folder an adapter was converted from (what an engine that applies adapters on load reads)."""
     if adapter.format == "peft":
         return adapter.path
     folder = (adapter.details.get("adapter") or {}).get("peft")
     if not folder or not Path(folder, "adapter_config.json").is_file():
+        others = engines_with("request_adapters")
         raise UsageError(
-            f"the MLX engine needs the PEFT folder of adapter '{adapter.name}', and it is not known or gone",
-            "pass the PEFT folder itself: --lora PATH/TO/ADAPTER_DIR, or run it on llama.cpp (--engine llama.cpp)")
+            f"the {engine} engine needs the PEFT folder of adapter '{adapter.name}', and it is not known or gone",
+            "pass the PEFT folder itself: --lora PATH/TO/ADAPTER_DIR"
+            + "".join(f", or run it on {n} (--engine {n})" for n in others[:1]))
     return str(folder)
 
 

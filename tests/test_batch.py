@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from localrun import api
+from localrun.backends.base import RowResult
 from localrun.batch import finished_ids
 from localrun.generation import GenerationParams, LoadOptions, Request
 
@@ -48,7 +49,7 @@ def run_reference(requests: list[Request], params: GenerationParams,
     try:
         for req in requests:
             parts, last = [], None
-            for chunk in api.generate(session, req, params):
+            for chunk in api.stream(session, req, params):
                 if chunk.done:
                     last = chunk
                 else:
@@ -122,11 +123,13 @@ def test_shared_prefix_is_reused_and_order_does_not_matter() -> None:
         assert r["completion_tokens"] == 4 + 3 * (r["id"] if isinstance(r["id"], int) else int(r["id"][4:]))
     # Written as they finish: backwards, the longest rows come first but do not finish first.
     assert [r["id"] for r in backward] != [r["id"] for r in rows[::-1]]
-    reused = sum(e["row"]["cached_tokens"] for e in events if "row" in e)
+    rows_done = [e for e in events if isinstance(e, RowResult)]
+    assert len(rows_done) == len(rows)
+    reused = sum(e.cached_tokens for e in rows_done)
     # The chat header with the system prompt (over 10 tokens) is evaluated once: 3 rows of the
     # first wave copy it, the fifth row finds it in a finished sequence.
     assert reused >= 4 * 10
-    assert all(e["row"]["cached_tokens"] < e["row"]["prompt_tokens"] for e in events if "row" in e)
+    assert all(e.cached_tokens < e.prompt_tokens for e in rows_done)
 
 
 def test_bad_rows_get_errors_and_the_rest_run(cli, tmp_path: Path) -> None:

@@ -112,7 +112,11 @@ def test_doctor(cli) -> None:
     assert report["engines"]["llama.cpp"]["available"] is True
     assert "AVX" in report["engines"]["llama.cpp"]["system_info"] or "NEON" in report["engines"]["llama.cpp"]["system_info"]
     assert report["ram_total_bytes"] > 0 and report["packages"]["llama-cpp-python"]
-    assert "gpu offload" in cli("doctor").stdout
+    # What each engine can do, as its class declares it (the CLI's choices and messages read the same).
+    assert report["engines"]["llama.cpp"]["abilities"] == ["request adapters", "expert offload", "embeddings",
+                                                           "structured output"]
+    text = cli("doctor").stdout
+    assert "gpu offload" in text and "abilities   request adapters, expert offload, embeddings" in text
 
 
 def test_help_is_fast_path(cli) -> None:

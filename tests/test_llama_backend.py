@@ -38,7 +38,7 @@ def tiny() -> Iterator[object]:
 
 def collect(session: object, request: Request, params: GenerationParams, cancel: object = None) -> tuple[str, Chunk]:
     parts, last = [], None
-    for chunk in api.generate(session, request, params, cancel):  # type: ignore[arg-type]
+    for chunk in api.stream(session, request, params, cancel):  # type: ignore[arg-type]
         if chunk.done:
             last = chunk
         else:
@@ -153,7 +153,7 @@ def cancel_late_tokens(session: object, request: Request, params: GenerationPara
     cancel = FrozenWorkerCancel(session.pid)  # type: ignore[attr-defined]
     last = None
     try:
-        for chunk in api.generate(session, request, replace(params, logprobs=0), cancel):  # type: ignore[arg-type]
+        for chunk in api.stream(session, request, replace(params, logprobs=0), cancel):  # type: ignore[arg-type]
             assert last is None, "nothing may follow the final chunk"
             if chunk.done:
                 last = chunk

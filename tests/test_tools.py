@@ -519,7 +519,7 @@ def test_starter_model_calls_a_tool_through_the_engine(starter: Path) -> None:
     session = api.load(info)
     try:
         params = GenerationParams(temperature=0, grammar=grammar, grammar_trigger=trigger, max_tokens=80)
-        pieces = [c.text for c in api.generate(session, Request(messages=tuple(messages)), params) if c.text]
+        pieces = [c.text for c in api.stream(session, Request(messages=tuple(messages)), params) if c.text]
     finally:
         session.close()
     content, calls = fmt.parse("".join(pieces))

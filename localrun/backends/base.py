@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol
 
-from localrun.errors import BackendUnavailableError
+from localrun.errors import BackendUnavailableError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
@@ -22,6 +22,24 @@ class Cancel(Protocol):
     """Anything with is_set(), e.g. threading.Event; checked between steps."""
 
     def is_set(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What an engine can do besides generating text, declared once on its classes; the CLI's
+    choices, `doctor`, the engine messages and the adapter routing read these, never its name."""
+
+    request_adapters: bool = False  # LoRA adapters applied per request on a base that stays loaded (set_lora)
+    load_adapters: bool = False  # LoRA adapters (PEFT folders) applied when the model loads
+    expert_offload: bool = False  # --cpu-moe: a mixture-of-experts model's expert weights kept in host memory
+    embeddings: bool = False
+    images: bool = False
+    drafting: bool = False  # speculative decoding with a draft model
+    structured_output: bool = False  # replies held to a grammar (JSON schema, GBNF, choice)
+
+    def names(self) -> list[str]:
+        """The abilities it has, as words ("request adapters", "embeddings", ...)."""
+        return [f.name.replace("_", " ") for f in fields(self) if getattr(self, f.name)]
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,7 @@ class Engine(Protocol):
     with the same prefix can reuse it).
     """
 
+    abilities: ClassVar[Abilities]  # the same as its Backend's
     n_ctx: int  # tokens per sequence
     n_slots: int
     can_copy: bool  # whether start() can copy a prefix from another slot's KV cache
@@ -96,6 +115,15 @@ class Engine(Protocol):
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
         """Evaluate tokens[start:] into slot's KV cache without sampling (a shared prefix)."""
+        ...
+
+    def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
+        """Apply these adapters (file, scale) to every sequence started or stepped from now on.
+
+        Raises:
+            UsageError: the engine applies adapters when it loads (abilities.request_adapters is False).
+            BadModelFileError: an adapter cannot be applied to this model.
+        """
         ...
 
     def step(self) -> list[Sampled]:
@@ -133,11 +161,18 @@ class Engine(Protocol):
 
 
 class Backend(Protocol):
-    """An inference engine: declares its name, formats and install hint once, on the class."""
+    """An inference engine: declares its name, formats, install hint and abilities once, on the class."""
 
-    name: ClassVar[str]
-    formats: ClassVar[tuple[str, ...]]
+    name: ClassVar[str]  # what --engine takes
+    title: ClassVar[str]  # how messages name it ("llama.cpp", "MLX")
+    formats: ClassVar[tuple[str, ...]]  # the model formats it loads, as the store detects them
     install_hint: ClassVar[str]
+    packages: ClassVar[tuple[str, ...]]  # its distributions, whose versions doctor reports
+    abilities: ClassVar[Abilities]
+    # Formats it can make its own copy of, and how (a hint with {path}): what to do when a model
+    # is in a format this engine does not load.
+    copies_from: ClassVar[tuple[str, ...]]
+    copy_hint: ClassVar[str]
 
     def available(self) -> bool:
         """Cheap probe: is the engine installed and usable here?"""
@@ -153,8 +188,50 @@ class Backend(Protocol):
         ...
 
     def system_info(self) -> dict[str, Any]:
-        """Build facts of the engine (versions, device)."""
+        """Build facts of the engine (versions, device), as JSON values."""
         ...
+
+    @staticmethod
+    def describe(facts: dict[str, Any]) -> list[tuple[str, str]]:
+        """doctor's lines (label, value) for the facts system_info() reported."""
+        ...
+
+
+class Ticket(Protocol):
+    """A request submitted with Session.start."""
+
+    error: LocalrunError | None  # after the end: why it failed (e.g. ContextOverflowError)
+    final: Chunk | None  # after the end: the last chunk, with statistics
+
+    def cancel(self) -> None:
+        """Stop the request; its last chunk (finish_reason "cancelled") is still delivered."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the end; whether it ended within timeout."""
+        ...
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """A batch row that ended: its reply, or why it could not run."""
+
+    id: Any  # the row's own id, as its input gave it (any JSON value)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seed: int | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """Tokens the engine has evaluated so far, running rows included (batch progress)."""
+
+    prompt_tokens: int
+    completion_tokens: int
 
 
 class Session(Protocol):
@@ -180,22 +257,19 @@ class Session(Protocol):
         """
         ...
 
-    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Any:
+    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Ticket:
         """Submit a request whose chunks go to `deliver` (called on the engine's reader thread).
 
         Returns:
-            A ticket: cancel(), wait(timeout) -> bool, and after the end .final (the last
+            A Ticket: cancel(), wait(timeout) -> bool, and after the end .final (the last
             Chunk) or .error (a LocalrunError, e.g. ContextOverflowError).
         """
         ...
 
     def generate_many(self, rows: list[tuple[Any, Request, GenerationParams]],
-                      cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
-        """Run many requests through the loop, yielding each result as it finishes (batch).
-
-        Yields {"row": {"id", "text", "finish_reason", "prompt_tokens", "completion_tokens"}
-        or {"id", "error"}} and {"progress": {"prompt_tokens", "completion_tokens"}} events.
-        """
+                      cancel: Cancel | None = None) -> Iterator[RowResult | TokenCounts]:
+        """Run many requests (row id, request, settings) through the loop, yielding each result
+        as it finishes (batch), and the engine's token counts as they grow."""
         ...
 
     def tokenize(self, request: Request) -> list[int]:
@@ -225,30 +299,44 @@ class Session(Protocol):
         ...
 
 
-# The engines, in order of preference; each class declares its name, formats and install hint.
-# Their modules import no engine library at import time, so listing them is cheap.
-ENGINES = ("localrun.backends.llama_cpp:LlamaCppBackend", "localrun.backends.mlx:MLXBackend")
+# The engines by name, in order of preference: a new engine is its module and one line here. Each
+# class declares its name (the same), formats, install hint and abilities; the modules import no
+# engine library at import time, and the CLI reads the names without importing even them.
+ENGINES = {
+    "llama.cpp": "localrun.backends.llama_cpp:LlamaCppBackend",
+    "mlx": "localrun.backends.mlx:MLXBackend",
+}
 
 
 def backend_classes() -> list[type[Backend]]:
     """Every engine class (the engine libraries themselves are not imported)."""
-    out = []
-    for target in ENGINES:
-        module_name, cls_name = target.split(":")
-        out.append(getattr(importlib.import_module(module_name), cls_name))
-    return out
+    return [backend_class(name) for name in ENGINES]
 
 
 def backend_names() -> list[str]:
-    return [c.name for c in backend_classes()]
+    """Every engine's name, in order of preference (what --engine takes); imports no engine module."""
+    return list(ENGINES)
+
+
+def abilities(name: str) -> Abilities:
+    """What an engine can do, by name."""
+    return backend_class(name).abilities
+
+
+def engines_with(ability: str) -> list[str]:
+    """The names of the engines that have an ability (a field of Abilities)."""
+    return [c.name for c in backend_classes() if getattr(c.abilities, ability)]
 
 
 def backend_class(name: str) -> type[Backend]:
     """The class of an engine by name."""
-    for cls in backend_classes():
-        if cls.name == name:
-            return cls
-    raise BackendUnavailableError(f"unknown engine '{name}'", f"choose one of {', '.join(backend_names())}")
+    if name not in ENGINES:
+        raise BackendUnavailableError(f"unknown engine '{name}'", f"choose one of {', '.join(backend_names())}")
+    module_name, cls_name = ENGINES[name].split(":")
+    cls: type[Backend] = getattr(importlib.import_module(module_name), cls_name)
+    if cls.name != name:
+        raise AssertionError(f"engine {ENGINES[name]} is registered as '{name}' but calls itself '{cls.name}'")
+    return cls
 
 
 def get_backend(name: str) -> Backend:
@@ -257,6 +345,7 @@ def get_backend(name: str) -> Backend:
 
 
 def install_hint(name: str) -> str:
+    """How to install an engine, by name."""
     return backend_class(name).install_hint
 
 

@@ -13,7 +13,7 @@ import codecs
 import ctypes
 from typing import Any
 
-from localrun.backends.base import Embeddings, Sampled, token_logprob
+from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_loader import LOG, last_log_error, library, load_model, new_context
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
@@ -49,12 +49,20 @@ def system_info() -> dict[str, Any]:
     }
 
 
+ABILITIES = Abilities(request_adapters=True, expert_offload=True, embeddings=True, structured_output=True)
+
+
 class LlamaCppBackend:
     """GGUF models on llama.cpp (CPU, CUDA or Metal, as the build supports)."""
 
     name = "llama.cpp"
+    title = "llama.cpp"
     formats = ("gguf",)
     install_hint = "pip install llama-cpp-python, then run 'localrun doctor'"
+    packages = ("llama-cpp-python",)
+    abilities = ABILITIES
+    copies_from = ("safetensors",)
+    copy_hint = "convert it to GGUF with 'localrun convert {path}'"
 
     def available(self) -> bool:
         import importlib.util
@@ -66,6 +74,12 @@ class LlamaCppBackend:
 
     def system_info(self) -> dict[str, Any]:
         return system_info()
+
+    @staticmethod
+    def describe(facts: dict[str, Any]) -> list[tuple[str, str]]:
+        return [("version", f"llama-cpp-python {facts.get('llama_cpp_python')}"),
+                ("gpu offload", "yes" if facts.get("gpu_offload") else "no (CPU build)"),
+                ("build", str(facts.get("system_info")))]
 
 
 class _Seq:
@@ -87,6 +101,7 @@ class _Seq:
 class LlamaCppEngine:
     """A loaded model and one context of n_slots sequences: the engine loop's step operations."""
 
+    abilities = ABILITIES
     can_copy = True
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from localrun.backends.base import Cancel, Engine, Sampled
+from localrun.backends.base import Cancel, Engine, Sampled, engines_with
 from localrun.chat import StopMatcher
 from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError, UsageError
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
@@ -103,9 +103,10 @@ class EngineLoop:
             if self.max_queue and len(self.queue) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self.slots)} sequences are busy and {len(self.queue)} requests wait",
                                       "retry later, or start the server with a larger --parallel or --max-queue")
-            if params.lora and not hasattr(self.engine, "set_lora"):
+            if params.lora and not self.engine.abilities.request_adapters:
                 raise UsageError("this engine applies LoRA adapters when the model loads, not per request",
-                                 "load the model with the adapter (--lora when it loads), or use the llama.cpp engine")
+                                 "load the model with the adapter (--lora when it loads), or use "
+                                 f"the {' or '.join(engines_with('request_adapters')) or 'other'} engine")
             stops = list(params.stop)
             tokens = self.engine.prompt_tokens(request, stops)
             n_ctx = self.engine.n_ctx
@@ -201,10 +202,9 @@ class EngineLoop:
         if not group or not free:
             return
         lora = group[0].lora
-        setter = getattr(self.engine, "set_lora", None)  # engines with per-request adapters (llama.cpp)
-        if setter is not None:
+        if self.engine.abilities.request_adapters:
             try:
-                setter(lora)
+                self.engine.set_lora(lora)
             except LocalrunError as e:  # this group's adapter cannot load: its requests fail, the others go on
                 for job in group:
                     self._drop(job)

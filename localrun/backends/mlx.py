@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Embeddings, Sampled, token_logprob
+from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.chat import PLAIN_STOPS, render_plain, render_template
 from localrun.constraint import import_llguidance
@@ -27,7 +27,8 @@ from localrun.fit import context_for
 from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
-INSTALL_HINT = "pip install 'localrun[mlx]' (on Linux this installs mlx[cpu])"
+INSTALL_HINT = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
+ABILITIES = Abilities(load_adapters=True, structured_output=True)
 
 
 def mlx_installed() -> bool:
@@ -80,8 +81,13 @@ class MLXBackend:
     """MLX-format folders and Hugging Face safetensors checkpoints on MLX (Metal GPU or CPU)."""
 
     name = "mlx"
+    title = "MLX"
     formats = ("mlx", "safetensors")
-    install_hint = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
+    install_hint = INSTALL_HINT
+    packages = ("mlx", "mlx-lm")
+    abilities = ABILITIES
+    copies_from = ("gguf",)
+    copy_hint = "make an MLX copy with 'localrun convert {path} --to mlx'"
 
     def available(self) -> bool:
         return mlx_installed()
@@ -97,6 +103,10 @@ class MLXBackend:
 
     def system_info(self) -> dict[str, Any]:
         return system_info()
+
+    @staticmethod
+    def describe(facts: dict[str, Any]) -> list[tuple[str, str]]:
+        return [("version", f"mlx {facts.get('mlx')}, mlx-lm {facts.get('mlx_lm')}"), ("device", str(facts.get("device")))]
 
 
 def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable[[Any], Any]:
@@ -248,6 +258,7 @@ class MLXEngine:
     request in that slot reuses the common prefix (MLX caches cannot be copied between slots).
     """
 
+    abilities = ABILITIES
     can_copy = False
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
@@ -291,7 +302,7 @@ class MLXEngine:
         """Convert the PEFT adapters to one mlx-lm adapter (cached) and apply it with mlx-lm's loader."""
         from mlx_lm.tuner.utils import load_adapters
 
-        from localrun.mlx_adapters import llama_hint, mlx_adapter
+        from localrun.backends.mlx_adapters import llama_hint, mlx_adapter
 
         folder = mlx_adapter(self.lora, _layers_prefix(self.model))
         names = ", ".join(f"'{p}'" for p, _ in self.lora)
@@ -422,6 +433,12 @@ class MLXEngine:
         self.slot_uid[slot] = uid
         self.logprobs[slot] = params.logprobs
         return keep
+
+    def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
+        if lora:
+            raise UsageError("the MLX engine applies LoRA adapters when the model loads, not per request",
+                             "give --lora when loading, e.g. 'localrun run BASE --engine mlx --lora ADAPTER', "
+                             "or use the llama.cpp engine for per-request adapters")
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
         raise EngineError("the MLX engine cannot share a prefill between slots")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-from localrun.backends.base import Cancel, Embeddings
+from localrun.backends.base import Cancel, Embeddings, RowResult, TokenCounts
 from localrun.backends.channel import payload_error, raise_payload
 from localrun.backends.isolation import Child
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
@@ -186,6 +186,27 @@ class WorkerSession:
         self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict()})
         return ticket
 
+    def cancel_request(self, rid: int) -> None:
+        """Ask the engine to stop one request (its last chunk still comes)."""
+        self._send({"op": "cancel", "i": rid})
+
+    def forget(self, rid: int) -> None:
+        """The request ended: its messages have nowhere to go."""
+        self._queues.pop(rid, None)
+
+    def wait_for(self, done: threading.Event, timeout: float | None) -> None:
+        """Wait until done is set or timeout passes, reading the worker's messages meanwhile
+        unless an event loop (or another thread) reads them."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not done.is_set():
+            left = 0.5 if end is None else end - time.monotonic()
+            if left <= 0:
+                return
+            if self._event_loop is not None:
+                done.wait(left)
+            elif not self._pump(min(left, 0.5)):
+                done.wait(min(left, 0.005))
+
     def stream(self, request: Request, params: GenerationParams, cancel: Cancel | None = None) -> Generator[Chunk, None, None]:
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         ticket = self.start(request, params, q.put)
@@ -214,7 +235,7 @@ class WorkerSession:
                 ticket.cancel()  # the consumer stopped early
 
     def generate_many(self, rows: list[tuple[Any, Request, GenerationParams]],
-                      cancel: Cancel | None = None) -> Iterator[dict[str, Any]]:
+                      cancel: Cancel | None = None) -> Iterator[RowResult | TokenCounts]:
         """Run rows through the engine loop, a window of them in flight; yield each as it ends."""
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         window = max(2 * int(self._info.get("n_parallel") or 1), 8)
@@ -257,17 +278,16 @@ class WorkerSession:
                     row_id = inflight.pop(rid)
                     self._queues.pop(rid, None)
                     if "error" in msg:
-                        yield {"row": {"id": row_id, "error": str(payload_error(msg["error"]))}}
+                        yield RowResult(row_id, error=str(payload_error(msg["error"])))
                     else:
                         c = msg["chunk"]
                         if c["finish_reason"] != "cancelled":
-                            yield {"row": {"id": row_id, "text": msg.get("text") or "", "finish_reason": c["finish_reason"],
-                                           "prompt_tokens": c["prompt_tokens"], "completion_tokens": c["completion_tokens"],
-                                           "seed": c["seed"], "cached_tokens": c.get("cached_tokens", 0)}}
+                            yield RowResult(row_id, msg.get("text") or "", c["finish_reason"], c["prompt_tokens"],
+                                            c["completion_tokens"], c["seed"], c.get("cached_tokens", 0))
                     submit_more()
                 if self.stats != last_stats:
                     last_stats = self.stats
-                    yield {"progress": {"prompt_tokens": last_stats[0], "completion_tokens": last_stats[1]}}
+                    yield TokenCounts(*last_stats)
         finally:
             for rid in inflight:
                 self._queues.pop(rid, None)
@@ -299,7 +319,7 @@ class Ticket:
     """A request submitted with WorkerSession.start: cancel it, wait for its end."""
 
     def __init__(self, session: WorkerSession) -> None:
-        self.session = session
+        self._session = session
         self.rid = 0
         self.cancelled = False
         self.done = threading.Event()
@@ -310,21 +330,17 @@ class Ticket:
         """Stop the request; its last chunk (finish_reason "cancelled") is still delivered."""
         if not self.done.is_set() and not self.cancelled:
             self.cancelled = True
-            self.session._send({"op": "cancel", "i": self.rid})
+            self._session.cancel_request(self.rid)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the end (reading the worker's messages meanwhile unless an event loop does)."""
-        s = self.session
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.done.is_set():
-            left = 0.5 if end is None else end - time.monotonic()
-            if left <= 0:
-                break
-            if s._event_loop is not None:
-                self.done.wait(left)
-            elif not s._pump(min(left, 0.5)):
-                self.done.wait(min(left, 0.005))
+        self._session.wait_for(self.done, timeout)
         return self.done.is_set()
+
+    def ended(self) -> None:
+        """The last message came: nothing more is routed to it."""
+        self._session.forget(self.rid)
+        self.done.set()
 
 
 class _Delivery:
@@ -350,5 +366,4 @@ class _Delivery:
             else:
                 t.final = Chunk.from_dict(msg["chunk"])
                 self.deliver(t.final)
-        t.session._queues.pop(t.rid, None)
-        t.done.set()
+        t.ended()

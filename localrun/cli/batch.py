@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from localrun.cli.options import (
     MAX_PARALLEL,
@@ -21,6 +21,10 @@ from localrun.cli.options import (
     target_from_args,
     tool_plan_from_args,
 )
+
+if TYPE_CHECKING:
+    from localrun.batch import Progress, Record
+    from localrun.cluster import Summary
 
 DEFAULT_PARALLEL = 16
 
@@ -71,7 +75,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from localrun.errors import UsageError
 
     if args.ray is not None:
-        api.ray_installed()  # the install hint before any work
+        api.require_ray()  # the install hint before any work
     elif args.model_path or args.ray_actors or args.ray_cpus_per_actor or args.ray_gpus_per_actor:
         raise UsageError("--ray-actors, --ray-cpus-per-actor, --ray-gpus-per-actor and --model-path need --ray")
     params = params_from_args(args)
@@ -98,7 +102,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         limit = api.default_context(model, options).tokens
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
     cancel = threading.Event()
-    summary: Any = None
+    summary: Summary | None = None
     if args.ray is not None:
         summary = api.cluster_summary()
         records = api.batch_on_cluster(
@@ -115,7 +119,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     try:
         for record in records:
             if plan is not None and "text" in record:
-                record = plan.record(record)
+                record = cast("batching.Record", plan.record(dict(record)))
             writer.write(record)
             report.row(record)
     finally:
@@ -155,7 +159,7 @@ class _Report:
         self.total, self.skipped = total, skipped
         self.ok = self.failed = self.prompt_tokens = self.completion_tokens = 0
         self.t0 = time.perf_counter()
-        self.last: Any = None
+        self.last: Progress | None = None
         self.printed = 0.0
         self.bar: Any = None
         self.task: Any = None
@@ -175,15 +179,15 @@ class _Report:
             self.task = self.bar.add_task("rows", total=total, speed="")
             self.bar.start()
 
-    def row(self, record: dict[str, Any]) -> None:
+    def row(self, record: Record) -> None:
         if "error" in record:
             self.failed += 1
         else:
             self.ok += 1
-            self.prompt_tokens += record["prompt_tokens"]
-            self.completion_tokens += record["completion_tokens"]
+            self.prompt_tokens += record.get("prompt_tokens", 0)
+            self.completion_tokens += record.get("completion_tokens", 0)
 
-    def progress(self, p: Any) -> None:
+    def progress(self, p: Progress) -> None:
         self.last = p
         speed = f"{p.tokens_per_second:.1f} tok/s"
         if self.bar is not None:

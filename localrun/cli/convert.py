@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "Hugging Face cache)")
     g.add_argument("--lora", action="append", default=[], metavar="ADAPTER_DIR[:SCALE]",
                    help="merge this PEFT LoRA adapter into the weights before conversion and quantization (repeatable)")
-    # MLX output (localrun/mlx_convert.py, through mlx-lm's converter).
+    # MLX output (localrun/backends/mlx_convert.py, through mlx-lm's converter).
     p.add_argument("--to", choices=("gguf", "mlx"), default="gguf", help="output format (default gguf)")
     p.add_argument("--q-bits", type=int, choices=(4, 8), help="with --to mlx: quantize to 4 or 8 bits")
     p.add_argument("--q-group-size", type=int, default=64, metavar="N",
@@ -195,7 +195,7 @@ def _convert_adapter(args: argparse.Namespace) -> int:
 
 def _convert_mlx(args: argparse.Namespace) -> int:
     """`convert --to mlx`: an MLX folder, registered in the store; its path on stdout."""
-    from localrun.mlx_convert import convert_to_mlx
+    from localrun.backends.mlx_convert import convert_to_mlx
 
     if args.to != "mlx":
         raise UsageError("--q-bits is for MLX output", "add --to mlx, or use --outtype for GGUF")

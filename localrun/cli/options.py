@@ -153,7 +153,9 @@ def tool_plan_from_args(args: argparse.Namespace, model: Any) -> Any:
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:
-    """Engine loading flags."""
+    """Engine loading flags; the engines come from the registry (which engine can do what: 'localrun doctor')."""
+    from localrun.backends.base import backend_names
+
     g = p.add_argument_group("engine")
     g.add_argument("--ctx", type=int, help="context length in tokens per sequence (default: the model's trained context when memory "
                         "holds it for every sequence; 'localrun show' says which)")
@@ -163,12 +165,12 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
     g.add_argument("--cpu-moe", type=cpu_moe_layers, default=0, metavar="N|all",
                    help="mixture-of-experts models: keep the expert weights of the first N layers (all: every "
-                        "layer) in CPU memory, so that a model larger than the GPU runs (llama.cpp only; "
-                        "an error on a model without experts)")
-    g.add_argument("--engine", choices=("llama.cpp", "mlx"), help="force an engine")
+                        "layer) in CPU memory, so that a model larger than the GPU runs (engines with expert "
+                        "offload, see 'localrun doctor'; an error on a model without experts)")
+    g.add_argument("--engine", choices=backend_names(), help="force an engine")
     g.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
                    help="apply a LoRA adapter (a name from 'localrun list', a GGUF adapter file, or a PEFT folder "
-                        "for MLX) at this scale (default 1); repeatable")
+                        "for an engine that applies adapters when it loads) at this scale (default 1); repeatable")
 
 
 def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any:
@@ -184,12 +186,15 @@ def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any
 
 
 def _check_cpu_moe(args: argparse.Namespace, engine: str | None) -> None:
-    """--cpu-moe places llama.cpp's tensors; MLX keeps every weight in one unified memory."""
+    """--cpu-moe needs an engine that can keep expert weights in host memory (abilities.expert_offload)."""
+    from localrun.backends.base import abilities, backend_class, engines_with
     from localrun.errors import UsageError
 
-    if getattr(args, "cpu_moe", 0) and engine == "mlx":
-        raise UsageError("--cpu-moe works only with the llama.cpp engine (MLX keeps every weight in unified memory)",
-                         "drop --cpu-moe, or run a GGUF copy of the model on llama.cpp")
+    if getattr(args, "cpu_moe", 0) and engine is not None and not abilities(engine).expert_offload:
+        able = engines_with("expert_offload")
+        copies = [f"{' or '.join(backend_class(n).formats).upper()} copy of the model on {n}" for n in able]
+        raise UsageError(f"--cpu-moe works only with the {' or '.join(able) or 'no'} engine, and {engine} cannot "
+                         "place expert weights apart", f"drop --cpu-moe{', or run a ' + copies[0] if copies else ''}")
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:

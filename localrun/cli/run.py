@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import (
     add_constraint_flags,
@@ -17,6 +17,11 @@ from localrun.cli.options import (
     target_from_args,
     tool_plan_from_args,
 )
+
+if TYPE_CHECKING:
+    from localrun.backends.base import Session
+    from localrun.generation import Chunk, GenerationParams, Request
+    from localrun.tools import ToolPlan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,13 +76,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         session.close()
 
 
-def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.Namespace, plan: Any = None) -> int:
+def _answer(session: Session, name: str, request: Request, params: GenerationParams, args: argparse.Namespace,
+            plan: ToolPlan | None = None) -> int:
     from localrun import api
 
     parts: list[str] = []
     last = None
     out = sys.stdout
-    for chunk in api.generate(session, request, params):
+    for chunk in api.stream(session, request, params):
         if chunk.done:
             last = chunk
             break
@@ -100,7 +106,7 @@ def _answer(session: Any, name: str, request: Any, params: Any, args: argparse.N
     return 130 if last.finish_reason == "cancelled" else 0
 
 
-def _stats(chunk: Any) -> dict[str, Any]:
+def _stats(chunk: Chunk) -> dict[str, Any]:
     return {
         "finish_reason": chunk.finish_reason,
         "prompt_tokens": chunk.prompt_tokens,
@@ -112,7 +118,7 @@ def _stats(chunk: Any) -> dict[str, Any]:
     }
 
 
-def _print_stats(chunk: Any) -> None:
+def _print_stats(chunk: Chunk) -> None:
     print(
         f"[{chunk.prompt_tokens} prompt tokens in {chunk.prompt_ms:.0f} ms, {chunk.completion_tokens} tokens at"
         f" {chunk.tokens_per_second:.1f} tok/s, {chunk.finish_reason}]",
@@ -120,7 +126,7 @@ def _print_stats(chunk: Any) -> None:
     )
 
 
-def _interactive(session: Any, name: str, args: argparse.Namespace, params: Any) -> int:
+def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves."""
     import threading
 
@@ -164,7 +170,7 @@ def _interactive(session: Any, name: str, args: argparse.Namespace, params: Any)
         cancel = threading.Event()
         parts: list[str] = []
         last = None
-        stream = api.generate(session, request, params, cancel)
+        stream = api.stream(session, request, params, cancel)
         try:
             for chunk in stream:
                 if chunk.done:

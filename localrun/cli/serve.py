@@ -206,11 +206,11 @@ def _error_text(e: Any) -> str:
 
 
 def _print_table(models: list[dict[str, Any]]) -> None:
-    from localrun import units as fmt
+    from localrun import units
 
     rows = [("NAME", "SIZE", "CONTEXT", "UNTIL")]
     for m in models:
-        rows.append((str(m.get("name") or m.get("model")), fmt.size(m.get("size")),
+        rows.append((str(m.get("name") or m.get("model")), units.size(m.get("size")),
                      str(m.get("context_length") or "-"), _until(m.get("expires_at"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -222,7 +222,7 @@ def _until(stamp: str | None) -> str:
     import re
     from datetime import datetime, timezone
 
-    from localrun import units as fmt
+    from localrun import units
 
     if not stamp:
         return "-"
@@ -236,4 +236,4 @@ def _until(stamp: str | None) -> str:
     seconds = (when - datetime.now(timezone.utc)).total_seconds()
     if seconds > 100 * 365 * 86400:
         return "forever"
-    return "now" if seconds <= 0 else f"in {fmt.duration(seconds)}"
+    return "now" if seconds <= 0 else f"in {units.duration(seconds)}"

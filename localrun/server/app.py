@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +27,9 @@ from localrun.server.streams import (  # noqa: F401 - ServerConfig and RequestRe
     ServerConfig,
     config_of,
 )
+
+if TYPE_CHECKING:
+    from localrun.pool import Pool
 
 # -- access rules (pure ASGI middleware: BaseHTTPMiddleware would break stream cancellation) --
 
@@ -191,7 +194,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 # -- the app ----------------------------------------------------------------------------------
 
 
-def create_app(pool: Any, config: ServerConfig | None = None) -> FastAPI:
+def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving `pool` (from api.model_pool) with both API families."""
     from localrun import __version__
 

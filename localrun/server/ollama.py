@@ -16,8 +16,7 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from localrun import api
-from localrun import units as fmt
+from localrun import api, units
 from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
@@ -41,9 +40,9 @@ from localrun.server.streams import (
     config_of,
     embed,
     fit_vector,
-    generate,
     pool_of,
     run_blocking,
+    start_run,
 )
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
@@ -115,7 +114,7 @@ def _modified(m: ModelInfo) -> str:
 def _details(m: ModelInfo) -> dict[str, Any]:
     family = m.architecture or ""
     return {"parent_model": "", "format": m.format, "family": family, "families": [family] if family else None,
-            "parameter_size": fmt.count(m.parameters) if m.parameters else "",
+            "parameter_size": units.count(m.parameters) if m.parameters else "",
             "quantization_level": m.quantization or ""}
 
 
@@ -150,7 +149,7 @@ async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: M
 async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, req: Request, params: GenerationParams,
                   key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
-    run = generate(request, target, [Job(req, params)], body.keep_alive_seconds())
+    run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds())
     await run.begin()
 
     def piece(text: str) -> Any:
@@ -353,7 +352,7 @@ async def ps(request: HttpRequest) -> dict[str, Any]:
     """The loaded models and when they expire, the longest-lived first."""
     loaded = pool_of(request).loaded()
     now = datetime.now(timezone.utc)
-    models = []
+    models: list[dict[str, Any]] = []
     for lm in loaded:
         expires = now + FOREVER if lm.expires_at is None else datetime.fromtimestamp(lm.expires_at, timezone.utc)
         models.append({"name": display_name(lm.name), "model": display_name(lm.name), "size": lm.size,

@@ -37,9 +37,9 @@ from localrun.server.streams import (
     config_of,
     embed,
     fit_vector,
-    generate,
     pool_of,
     run_blocking,
+    start_run,
 )
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
@@ -190,7 +190,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     if plan:
         params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
-    run = generate(request, target, jobs, None)
+    run = start_run(request, target, jobs, None)
     await run.begin()
     name = display_name(target.name)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
@@ -313,7 +313,7 @@ async def completions(body: CompletionRequest, request: HttpRequest) -> Response
         raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
     prompts = body.prompts()
     jobs = [Job(Request.raw(p), _seeded(params, j), k) for k, p in enumerate(prompts) for j in range(body.n)]
-    run = generate(request, target, jobs, None)
+    run = start_run(request, target, jobs, None)
     await run.begin()
     name = display_name(target.name)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
@@ -366,9 +366,9 @@ async def embeddings(body: EmbeddingRequest, request: HttpRequest) -> dict[str, 
     name = display_name(model.name)
     request.state.log = {"model": name}
     data = []
-    for i, vector in enumerate(result.vectors):
+    for i, vector in enumerate(result.vectors if result else []):
         v = fit_vector(vector, body.dimensions)
         value: Any = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if body.encoding_format == "base64" else v
         data.append({"object": "embedding", "index": i, "embedding": value})
-    tokens = int(result.prompt_tokens)
+    tokens = int(result.prompt_tokens) if result else 0
     return {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -28,6 +28,8 @@ from localrun.store import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.adapters import Target
+    from localrun.backends.base import Embeddings
+    from localrun.pool import Pool
 
 MAX_BODY = 32 << 20  # bytes; a bigger request body gets 413
 T = TypeVar("T")
@@ -232,7 +234,7 @@ class _Failed:
 _END = object()
 
 
-def generate(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None) -> Run:
+def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None) -> Run:
     """Start the jobs on the pooled model (with the target's adapters): one session.stream per
     job, as parallel sequences."""
     pool = pool_of(request)
@@ -312,7 +314,7 @@ async def run_blocking(request: HttpRequest, fn: Callable[[], T], cancel: thread
     return await unless_disconnected(request, asyncio.to_thread(fn), cancel.set if cancel else (lambda: None))
 
 
-def embed(pool: Any, model: ModelInfo, texts: list[str], keep_alive: float | None) -> tuple[Any, float]:
+def embed(pool: Pool, model: ModelInfo, texts: list[str], keep_alive: float | None) -> tuple[Embeddings | None, float]:
     """The session's embeddings of `texts` (blocking) and the seconds spent loading the model."""
     t0 = time.perf_counter()
     with pool.use(model, keep_alive) as session:
@@ -333,8 +335,9 @@ def fit_vector(vector: list[float], dimensions: int | None, normalize: bool = Tr
     return [x / norm for x in vector] if norm > 0 else list(vector)
 
 
-def pool_of(request: HttpRequest) -> Any:
-    return request.app.state.pool
+def pool_of(request: HttpRequest) -> Pool:
+    """The server's model pool."""
+    return request.app.state.pool  # type: ignore[no-any-return]
 
 
 def config_of(request: HttpRequest) -> ServerConfig:

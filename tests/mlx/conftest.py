@@ -139,7 +139,7 @@ def collect(session: Any, request: Request, params: GenerationParams, cancel: An
     """(text, final chunk, number of text chunks) of one streamed reply."""
     parts: list[str] = []
     last = None
-    for chunk in api.generate(session, request, params, cancel):
+    for chunk in api.stream(session, request, params, cancel):
         assert last is None, "nothing may follow the final chunk"
         if chunk.done:
             last = chunk

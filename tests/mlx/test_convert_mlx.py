@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from localrun import api
+from localrun.backends.mlx_convert import convert_to_mlx
 from localrun.errors import ConversionError, UsageError
 from localrun.generation import GenerationParams, Request
-from localrun.mlx_convert import convert_to_mlx
 from localrun.store import Store
 
 from .conftest import Models, collect

@@ -52,8 +52,9 @@ def test_without_mlx_safetensors_points_to_gguf_conversion(models: Models, monke
     hf = info(models.plain.hf)
     with pytest.raises(BackendUnavailableError) as e:
         api.choose_engine(hf)
-    assert "MLX is not available" in e.value.message and f"localrun convert {hf.path}" in (e.value.hint or "")
-    with pytest.raises(BackendUnavailableError, match="MLX model and MLX is not installed") as e2:
+    assert "safetensors folder and MLX is not installed" in e.value.message
+    assert f"localrun convert {hf.path}" in (e.value.hint or "") and "localrun[mlx]" in (e.value.hint or "")
+    with pytest.raises(BackendUnavailableError, match="MLX model folder and MLX is not installed") as e2:
         api.choose_engine(info(models.plain.mlx))
     assert "localrun[mlx]" in (e2.value.hint or "")
     with pytest.raises(BackendUnavailableError, match="the mlx engine is not installed"):

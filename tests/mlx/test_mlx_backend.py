@@ -7,11 +7,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from localrun.backends.base import RowResult
 from localrun.errors import BadModelFileError
 from localrun.generation import GenerationParams, LoadOptions, Request
 from localrun.store import Store
@@ -147,6 +149,6 @@ def test_batch_through_mlx_lm_equals_one_by_one(models: Models) -> None:
 
 def _many(session: Any, prompts: list[str], params: GenerationParams) -> list[dict[str, Any]]:
     """Results of the engine loop's batch path, in prompt order."""
-    rows = {e["row"]["id"]: e["row"] for e in session.generate_many([(i, Request.raw(p), params)
-                                                                      for i, p in enumerate(prompts)]) if "row" in e}
+    rows = {e.id: asdict(e) for e in session.generate_many([(i, Request.raw(p), params) for i, p in enumerate(prompts)])
+            if isinstance(e, RowResult)}
     return [rows[i] for i in range(len(prompts))]

@@ -164,7 +164,7 @@ def test_two_adapters_and_scales_equal_peft(adapters: Adapters) -> None:
 
 
 def test_second_load_reuses_the_converted_adapter(adapters: Adapters, monkeypatch: pytest.MonkeyPatch) -> None:
-    from localrun import mlx_adapters
+    from localrun.backends import mlx_adapters
 
     lora = [(adapters.a, 0.5), (adapters.b, 2.0)]
     first = mlx_text(adapters, lora)
@@ -206,7 +206,7 @@ def _edited(src: Path, dst: Path, **changes: Any) -> Path:
     ("fan_in_fan_out", "uses fan_in_fan_out"),
 ])
 def test_adapters_mlx_cannot_apply_fail_with_a_hint(adapters: Adapters, tmp_path: Path, kind: str, match: str) -> None:
-    from localrun.mlx_adapters import to_mlx_adapter
+    from localrun.backends.mlx_adapters import to_mlx_adapter
 
     folder = getattr(adapters, kind, None)
     if folder is None:
@@ -221,7 +221,7 @@ def test_adapters_mlx_cannot_apply_fail_with_a_hint(adapters: Adapters, tmp_path
 def test_modules_outside_the_layers_fail_with_a_hint(adapters: Adapters, tmp_path: Path) -> None:
     from safetensors.numpy import load_file, save_file
 
-    from localrun.mlx_adapters import to_mlx_adapter
+    from localrun.backends.mlx_adapters import to_mlx_adapter
 
     folder = tmp_path / "head"
     shutil.copytree(adapters.a, folder)
@@ -236,7 +236,7 @@ def test_modules_outside_the_layers_fail_with_a_hint(adapters: Adapters, tmp_pat
 
 def test_unsupported_adapter_fails_the_load_in_the_worker(adapters: Adapters) -> None:
     """The error crosses the worker process as itself, and no half-converted folder stays."""
-    from localrun.mlx_adapters import cache_dir
+    from localrun.backends.mlx_adapters import cache_dir
 
     with pytest.raises(LocalrunError, match="DoRA") as e:
         api.load(_info(adapters.base), LoadOptions(n_ctx=128, lora=((str(adapters.dora), 1.0),)), engine="mlx")

@@ -165,7 +165,7 @@ class ChatScreen(Screen[None]):
             with api.use_target(models, target, keep_alive=-1) as (session, engine):
                 self.app.call_from_thread(self._loaded, generation)
                 request = api.build_messages(prompt, system or None, history)
-                for chunk in api.generate(session, request, target.params(params, engine), cancel):
+                for chunk in api.stream(session, request, target.params(params, engine), cancel):
                     if chunk.done:
                         if pending:
                             self.post_message(ReplyText(generation, "".join(pending)))
