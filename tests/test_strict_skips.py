@@ -61,7 +61,8 @@ def _outcomes(tmp_path: Path, strict: bool, cases: str = CASES, *options: str) -
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_cases.py").write_text(cases)
     report = tmp_path / "report.xml"
-    env = {**os.environ, "PYTHONPATH": str(REPO), STRICT: "1" if strict else "0"}
+    # Only pytest and these hooks: the installed plugins (hypothesis, snapshots, timeout) play no part.
+    env = {**os.environ, "PYTHONPATH": str(REPO), STRICT: "1" if strict else "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
          f"--junitxml={report}", *options, "test_cases.py"],
