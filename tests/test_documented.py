@@ -85,19 +85,20 @@ def test_engine_flags_reach_the_engine(cli, monkeypatch: pytest.MonkeyPatch) -> 
 
     # What llama.cpp itself reports of each load: threads by its getters, the context and the
     # attention setting from its context report, the graph's attention kernel, each layer's device.
-    report = _load_report(monkeypatch, "--threads", "1", "--ctx", "512")
-    assert report.threads == (1, 1) and report.setting("n_ctx_seq") == {"512"}, report.setting("n_ctx_seq")
-    assert _load_report(monkeypatch, "--threads", "2").threads == (2, 2)
-    on, off = _load_report(monkeypatch, "--flash-attn", "on"), _load_report(monkeypatch, "--flash-attn", "off")
-    assert on.setting("flash_attn") == {"enabled"} and on.flash_attention_in_graph()
-    assert off.setting("flash_attn") == {"disabled"} and not off.flash_attention_in_graph()
-    assert _load_report(monkeypatch, "--flash-attn", "auto").setting("flash_attn") == {"auto"}
+    # Each load sets every flag to another value than the other loads do.
     from localrun.backends.llama_loader import supports_gpu
 
     layers = 31  # the starter's 30 blocks and its output layer
-    assert _load_report(monkeypatch, "--gpu-layers", "0").layer_devices() == ["CPU"] * layers
-    devices = _load_report(monkeypatch, "--gpu-layers", "99").layer_devices()
+    one = _load_report(monkeypatch, "--threads", "1", "--ctx", "512", "--flash-attn", "on", "--gpu-layers", "0")
+    assert one.threads == (1, 1) and one.setting("n_ctx_seq") == {"512"}, (one.threads, one.setting("n_ctx_seq"))
+    assert one.setting("flash_attn") == {"enabled"} and one.flash_attention_in_graph()
+    assert one.layer_devices() == ["CPU"] * layers, one.layer_devices()
+    two = _load_report(monkeypatch, "--threads", "2", "--ctx", "256", "--flash-attn", "off", "--gpu-layers", "99")
+    assert two.threads == (2, 2) and two.setting("n_ctx_seq") == {"256"}, (two.threads, two.setting("n_ctx_seq"))
+    assert two.setting("flash_attn") == {"disabled"} and not two.flash_attention_in_graph()
+    devices = two.layer_devices()
     assert len(devices) == layers and ("CPU" not in devices if supports_gpu() else set(devices) == {"CPU"}), devices
+    assert _load_report(monkeypatch, "--flash-attn", "auto").setting("flash_attn") == {"auto"}
 
 
 def test_localrun_debug_shows_the_traceback_and_only_then(cli) -> None:  # noqa: ANN001
