@@ -64,22 +64,17 @@ class Channel:
         return out
 
 
-def error_payload(e: BaseException) -> dict[str, Any]:
+def error_to_wire(e: BaseException) -> dict[str, Any]:
+    """An exception as it crosses the pipe: its LocalrunError class by name, message and hint
+    (anything else becomes an EngineError naming its type)."""
     if isinstance(e, LocalrunError):
         return {"type": type(e).__name__, "message": e.message, "hint": e.hint}
     return {"type": "EngineError", "message": f"{type(e).__name__}: {e}", "hint": None}
 
 
-def raise_payload(p: dict[str, Any]) -> None:
+def error_from_wire(p: dict[str, Any]) -> LocalrunError:
+    """The LocalrunError that error_to_wire sent, of the same class (EngineError if unknown), to raise here."""
     cls = getattr(errors, p.get("type", ""), None)
     if not (isinstance(cls, type) and issubclass(cls, LocalrunError)):
         cls = EngineError
-    raise cls(p.get("message", "engine error"), p.get("hint"))
-
-
-def payload_error(p: dict[str, Any]) -> LocalrunError:
-    try:
-        raise_payload(p)
-    except LocalrunError as e:
-        return e
-    raise AssertionError("unreachable")
+    return cls(p.get("message", "engine error"), p.get("hint"))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.channel import Channel, error_payload, payload_error
+from localrun.backends.channel import Channel, error_from_wire, error_to_wire
 from localrun.errors import EngineCrashedError
 
 CRASH_HINT = "the model file may be damaged or unsupported; localrun is still running"
@@ -166,7 +166,7 @@ class Job:
                 elif "ok" in msg:
                     return msg["ok"]
                 else:
-                    raise payload_error(msg.get("error") or {})
+                    raise error_from_wire(msg.get("error") or {})
         finally:
             self.close()
 
@@ -217,7 +217,7 @@ def job_main(argv: list[str]) -> int:
             import traceback
 
             traceback.print_exc()
-        chan.send({"error": error_payload(e)})
+        chan.send({"error": error_to_wire(e)})
     sys.stderr.flush()
     os._exit(0)  # the answer is sent: freeing models and contexts would only delay the parent
 

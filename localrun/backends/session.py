@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from localrun.backends.base import Cancel, Embeddings, RowResult, TokenCounts
-from localrun.backends.channel import payload_error, raise_payload
+from localrun.backends.channel import error_from_wire
 from localrun.backends.isolation import Child
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
@@ -49,7 +49,7 @@ class WorkerSession:
                 raise self._crashed("loading")
         if "error" in msg:
             self.close()
-            raise_payload(msg["error"])
+            raise error_from_wire(msg["error"])
         self._info: dict[str, Any] = dict(msg.get("ok") or {})
         self._read_lock = threading.Lock()
         self._event_loop = event_loop
@@ -153,7 +153,7 @@ class WorkerSession:
                 if msg is None:
                     continue
                 if "error" in msg:
-                    raise_payload(msg["error"])
+                    raise error_from_wire(msg["error"])
                 return msg.get("ok")
         finally:
             self._queues.pop(rid, None)
@@ -278,7 +278,7 @@ class WorkerSession:
                     row_id = inflight.pop(rid)
                     self._queues.pop(rid, None)
                     if "error" in msg:
-                        yield RowResult(row_id, error=str(payload_error(msg["error"])))
+                        yield RowResult(row_id, error=str(error_from_wire(msg["error"])))
                     else:
                         c = msg["chunk"]
                         if c["finish_reason"] != "cancelled":
@@ -362,7 +362,7 @@ class _Delivery:
                 self.deliver(Chunk(text=text, logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ()))
                 return
             if "error" in msg:
-                t.error = payload_error(msg["error"])
+                t.error = error_from_wire(msg["error"])
             else:
                 t.final = Chunk.from_dict(msg["chunk"])
                 self.deliver(t.final)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from localrun.backends.channel import Channel, error_payload
+from localrun.backends.channel import Channel, error_to_wire
 from localrun.backends.isolation import child_channel
 from localrun.errors import EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
@@ -43,7 +43,7 @@ class _PipeSink:
         self.send(msg)
 
     def error(self, rid: Any, error: LocalrunError) -> None:
-        self.send({"i": rid, "error": error_payload(error)})
+        self.send({"i": rid, "error": error_to_wire(error)})
 
 
 STATS_EVERY_S = 0.25
@@ -87,7 +87,7 @@ def serve() -> None:
                 else:
                     chan.send({"i": rid, "error": {"type": "EngineError", "message": f"unexpected op {op!r}"}})
             except Exception as e:  # noqa: BLE001 - every failure goes back to the parent
-                chan.send({"i": rid, "error": error_payload(e)})
+                chan.send({"i": rid, "error": error_to_wire(e)})
         if loop is not None and loop.busy and running:
             try:
                 loop.step()
