@@ -251,6 +251,19 @@ def chat_template(model: ModelInfo) -> str | None:
     return tpl if isinstance(tpl, str) and tpl.strip() else None
 
 
+def capabilities(model: ModelInfo, engine: str | None = None) -> tuple[str, ...]:
+    """What the model can do through localrun on the engine that would run it (Ollama's words:
+    completion, tools, embedding, ...); without an installed engine, what needs none."""
+    from localrun.capabilities import capabilities as derive
+    from localrun.errors import BackendUnavailableError
+
+    try:
+        name = choose_engine(model, engine)
+    except BackendUnavailableError:
+        return derive(model, None)
+    return derive(model, abilities(name))
+
+
 def default_context(model: ModelInfo, options: LoadOptions | None = None) -> ContextChoice:
     """The context per sequence the model loads with under these options, and why: --ctx if
     set, else the trained context when memory holds it for options.n_parallel sequences."""

@@ -87,6 +87,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         out = m.to_dict(with_details=True)
         if context is not None:
             out["context"] = context.to_dict()
+        if not m.is_adapter:
+            out["capabilities"] = list(api.capabilities(m))
         if experts is not None:
             out["experts"] = {"count": experts.count, "used": experts.used, "shared": experts.shared,
                               "active_parameters": experts.active_parameters, "expert_bytes": experts.expert_bytes}
@@ -103,6 +105,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("quantization", m.quantization), ("size", human_size(m.size)), ("context", context.text if context else m.context_length),
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
+        ("capabilities", None if m.is_adapter else ", ".join(api.capabilities(m))),
     ]
     if m.is_adapter:
         a = d.get("adapter") or {}

@@ -110,7 +110,7 @@ def test_tags_show_and_latest_tag(served: Served, starter: Path, tmp_path: Path)
     assert tags[MODEL].details.parameter_size == "135M" and tags[MODEL].size > 50_000_000
     assert tags[MODEL].modified_at is not None and len(tags[MODEL].digest) == 64
     info = client.show("mini:latest")
-    assert info.details.family == "llama" and info.capabilities == ["completion"]
+    assert info.details.family == "llama" and info.capabilities == ["completion", "tools", "embedding"]
     assert info.modelinfo["general.architecture"] == "llama" and info.modelinfo["llama.context_length"] == 8192
     assert "<|im_start|>" in info.template and "temperature" in info.parameters
     assert client.show("mini").details.family == "llama"
