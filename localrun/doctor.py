@@ -1,14 +1,13 @@
 """What this machine and this install can do: versions, memory, GPUs, and each engine of the
-registry with its build facts and declared abilities (probed in a child process, so that a broken
-engine build cannot crash the report)."""
+registry with its build facts and declared abilities (probed as a job of the isolation runner, so
+that a broken engine build cannot crash the report)."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -101,17 +100,23 @@ def _engine(cls: Any) -> EngineReport:
         facts = _probe(cls.name)
     except Exception as e:  # noqa: BLE001 - doctor reports, never fails
         return EngineReport(cls.name, False, cls.abilities, str(e))
-    if "error" in facts:
-        return EngineReport(cls.name, False, cls.abilities, str(facts["error"]))
     return EngineReport(cls.name, True, cls.abilities, facts=facts, lines=tuple(cls.describe(facts)))
 
 
 def _probe(name: str) -> dict[str, Any]:
-    """Ask the engine about its build from a child process (a broken build cannot crash doctor)."""
-    code = ("import json;from localrun.backends.base import get_backend;"
-            f"print(json.dumps(get_backend({name!r}).system_info()))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"engine probe failed: {tail}"}
-    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
+    """Ask the engine about its build in a child process (a broken build cannot crash doctor).
+
+    Raises:
+        EngineCrashedError: the engine library aborted the child; LocalrunError: it failed to load.
+    """
+    from localrun.backends.isolation import Job
+
+    with Job("localrun.doctor:engine_facts", f"reporting the {name} engine's build") as job:
+        return dict(job.run({"engine": name}))
+
+
+def engine_facts(request: dict[str, Any], emit: Callable[[Any], None]) -> dict[str, Any]:
+    """The isolation job behind _probe: one engine's system_info(), in the child."""
+    from localrun.backends.base import get_backend
+
+    return get_backend(str(request["engine"])).system_info()

@@ -137,3 +137,13 @@ def test_doctor_reports_every_registered_engine_with_its_abilities(third: str,
     assert got[third] == {"third": "1.0", "available": True, "abilities": ["load adapters", "embeddings"]}
     assert next(e for e in report.engines if e.name == third).lines == (("version", "third 1.0"),)
     assert report.packages["third-engine"] is None  # its package, declared on its class
+
+
+def test_doctor_reports_a_failing_probe_and_keeps_going(third: str) -> None:
+    from localrun import doctor
+
+    # The probe's child has no stand-in registered: its error crosses the pipe and is reported.
+    got = doctor.report().to_dict()["engines"]
+    assert got[third]["available"] is False and got[third]["error"].startswith("unknown engine 'third'")
+    assert got[third]["abilities"] == ["load adapters", "embeddings"]
+    assert got["llama.cpp"]["available"] is True and "AVX" in got["llama.cpp"]["system_info"]
