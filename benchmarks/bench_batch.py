@@ -128,7 +128,8 @@ def main() -> int:
         ALL_LAYERS if llama_cpp.llama_supports_gpu_offload() else 0)
     engine = Engine(args.threads or default_threads(), gpu_layers, args.flash_attn)
     items = prompts(args.prompts)
-    ours, base = [], []
+    ours: list[tuple[float, float, int]] = []  # (tokens/s, wall s, tokens) of each round
+    base: list[tuple[float, float, int]] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LOCALRUN_HOME", str(Path(tmp) / "home"))
         sides = [
