@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.generation import GenerationParams, LoadOptions
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from localrun.adapters import Target
+    from localrun.constraint import Constraint
+    from localrun.store import ModelInfo
+    from localrun.tools import ToolPlan
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
 GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens")
@@ -53,7 +61,7 @@ def cpu_moe_layers(value: str) -> int | str:
     return n
 
 
-def stderr_bar(label: str, extra: str) -> Any:
+def stderr_bar(label: str, extra: str) -> Progress | None:
     """A started rich progress bar on a terminal's stderr (label, bar, done/total, `extra` as a
     text column, time left), or None when stderr is not a terminal (callers print lines then)."""
     import sys
@@ -101,7 +109,7 @@ def add_constraint_flags(p: argparse.ArgumentParser, format_flag: bool = True) -
     g.add_argument("--choice", metavar="A,B,C", help="the reply is exactly one of these comma-separated options")
 
 
-def constraint_from_args(args: argparse.Namespace) -> Any:
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The Constraint the flags ask for, or None."""
     from localrun.constraint import Constraint, read_text_or_file
     from localrun.errors import UsageError
@@ -132,7 +140,7 @@ def add_tool_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the model decides; required: it must call a tool; NAME: it must call that one")
 
 
-def tool_plan_from_args(args: argparse.Namespace, model: Any) -> Any:
+def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan | None:
     """The ToolPlan for --tools on this model, or None."""
     import json
 
@@ -173,7 +181,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                         "for an engine that applies adapters when it loads) at this scale (default 1); repeatable")
 
 
-def target_from_args(args: argparse.Namespace, engine: str | None = None) -> Any:
+def target_from_args(args: argparse.Namespace, engine: str | None = None) -> tuple[Target, str]:
     """The model and adapters that --lora and the model name (maybe an adapter, or base+adapter) ask for,
     and the engine that runs them."""
     from localrun import api
