@@ -176,3 +176,31 @@ def test_threads_share_one_session_as_parallel_sequences() -> None:
     finally:
         session.close()
     assert [got[i] for i in range(len(prompts))] == one_by_one
+
+
+def test_a_reply_that_breaks_its_constraint_is_an_error_never_a_finished_reply(
+        engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar engine that disagrees with the model (here: its mask is not applied, so the model
+    takes tokens the grammar refuses) ends the request with an error; the same request with the
+    mask applied finishes with a valid reply."""
+    from localrun.backends.grammar import GrammarState
+    from localrun.constraint import Constraint
+
+    grammar = Constraint.choice(["yes", "no"]).grammar
+    params = GenerationParams(temperature=0, max_tokens=24, grammar=grammar)
+    ok = Record()
+    loop = EngineLoop(engine, ok)
+    loop.submit("ok", ask("Write a poem about the sea."), params)
+    run_until(loop, lambda: not loop.busy)
+    final = ok.final("ok")
+    assert final is not None and final.finish_reason == "stop" and ok.texts("ok") in ("yes", "no")
+
+    monkeypatch.setattr(GrammarState, "mask_logits", lambda self, logits: None)
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    loop.submit("broken", ask("Write a poem about the sea."), params)
+    run_until(loop, lambda: not loop.busy)
+    assert rec.final("broken") is None
+    errors = [e for kind, r, e in rec.events if kind == "error" and r == "broken"]
+    assert len(errors) == 1 and "broke its output constraint" in str(errors[0])
+    assert all(engine.seqs[s] is None for s in range(engine.n_slots))

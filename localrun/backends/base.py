@@ -57,6 +57,7 @@ class Sampled:
     slot: int
     token: int
     logprob: TokenLogprob | None = None
+    broken: bool = False  # the token breaks the sequence's constraint (an end before it is complete)
 
 
 def token_logprob(logprobs: Any, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:

@@ -127,7 +127,7 @@ class GrammarState:
     cut by its budget still parses (and still says finish_reason "length").
     """
 
-    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "_bits")
+    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "broken", "_bits")
 
     def __init__(self, grammars: Grammars, lark: str, trigger: str | None, matcher: Any,
                  budget: int | None = None) -> None:
@@ -138,6 +138,7 @@ class GrammarState:
         self.text = ""  # output so far, while waiting for the trigger
         self.consumed = 0  # tokens seen (the MLX processor counts with it)
         self.budget = budget
+        self.broken = False  # a token the grammar refused was taken (tokenizers that disagree)
         self._bits: Any = None
 
     @property
@@ -183,6 +184,13 @@ class GrammarState:
         out[keep] = True
         return out & mask if mask[keep].any() else mask
 
+    def breaks(self, token: int, end: bool) -> bool:
+        """Whether taking token (end: an end-of-generation token, not yet fed to the grammar)
+        leaves the constraint broken: a refused token, or an end before the output is complete."""
+        if self.broken:
+            return True
+        return end and self.matcher is not None and not self.matcher.is_stopped() and not self.matcher.is_accepting()
+
     def mask_logits(self, logits: Any) -> None:
         """Forbid, in place, every token the grammar does not allow (a numpy float array)."""
         if self.matcher is not None:
@@ -191,8 +199,8 @@ class GrammarState:
     def accept(self, token: int) -> None:
         self.consumed += 1
         if self.matcher is not None:
-            if not self.matcher.is_stopped():
-                self.matcher.consume_token(token)
+            if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+                self.broken = True
             return
         assert self.trigger is not None
         self.text += self.grammars.piece(token)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import warnings
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
@@ -158,14 +159,16 @@ class LlamaCppEngine:
         from llguidance.llamacpp import lltokenizer_from_vocab
 
         eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
-        return lltokenizer_from_vocab(self.vocab, eos_token=eog)
+        with warnings.catch_warnings():  # it reads each token through a name llama-cpp-python deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self.vocab, eos_token=eog)
 
     def special_id(self, text: str) -> int | None:
         """The id of the control or user-defined token spelled `text`, if the vocabulary has one."""
         ids = self.tokenize(text, add_special=False, parse_special=True)
         if len(ids) != 1:
             return None
-        attr = self.ll.llama_token_get_attr(self.vocab, ids[0])
+        attr = self.ll.llama_vocab_get_attr(self.vocab, ids[0])
         return ids[0] if attr & (self.ll.LLAMA_TOKEN_ATTR_CONTROL | self.ll.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
 
     def make_context(self, n_ctx: int, n_parallel: int) -> None:
@@ -412,7 +415,8 @@ class LlamaCppEngine:
             if g is not None:
                 g.accept(tok)
             q.last = tok
-            out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None))
+            out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None,
+                               g is not None and g.breaks(tok, False)))
         return out
 
     def finish(self, slot: int) -> int:

@@ -18,7 +18,13 @@ from typing import Any, Protocol
 
 from localrun.backends.base import Cancel, Engine, Sampled, engines_with
 from localrun.chat import StopMatcher
-from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError, UsageError
+from localrun.errors import (
+    ContextOverflowError,
+    EngineError,
+    LocalrunError,
+    ServerBusyError,
+    UsageError,
+)
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
 
 
@@ -259,6 +265,12 @@ class EngineLoop:
             job.sampled = True
             job.t1 = time.perf_counter()
         tok = s.token
+        if s.broken:  # never an invalid reply called finished
+            self._drop(job)
+            self.sink.error(job.rid, EngineError(
+                f"the reply broke its output constraint after {job.n_gen} tokens: the grammar engine and the "
+                "model's tokenizer disagree", "report this model; it answers without --schema/--grammar"))
+            return
         if self.engine.is_eog(tok):
             self._end(job, "stop")
             return

@@ -295,6 +295,7 @@ class MLXEngine:
         self.slot_uid: list[int | None] = [None] * self.n_slots
         self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
         self.logprobs: list[int | None] = [None] * self.n_slots
+        self.grammar: list[GrammarState | None] = [None] * self.n_slots  # fed by the logits processor
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
                                  lambda t: str(self.tokenizer.decode([t])))
 
@@ -432,6 +433,7 @@ class MLXEngine:
         self.uids[uid] = slot
         self.slot_uid[slot] = uid
         self.logprobs[slot] = params.logprobs
+        self.grammar[slot] = grammar
         return keep
 
     def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
@@ -449,8 +451,9 @@ class MLXEngine:
             slot = self.uids.get(r.uid)
             if slot is None:
                 continue  # a sequence removed while its token was in flight
-            top = self.logprobs[slot]
-            out.append(Sampled(slot, int(r.token), self._logprob(r.logprobs, int(r.token), top) if top is not None else None))
+            top, g, tok = self.logprobs[slot], self.grammar[slot], int(r.token)
+            out.append(Sampled(slot, tok, self._logprob(r.logprobs, tok, top) if top is not None else None,
+                               g is not None and g.breaks(tok, self.is_eog(tok))))
         return out
 
     def finish(self, slot: int) -> int:
@@ -458,6 +461,7 @@ class MLXEngine:
         if uid is None:
             return 0
         self.slot_uid[slot] = None
+        self.grammar[slot] = None
         self.uids.pop(uid, None)
         caches = self.gen.remove([uid], return_prompt_caches=True)
         entry = caches.get(uid) if isinstance(caches, dict) else None
