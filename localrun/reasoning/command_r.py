@@ -1,0 +1,40 @@
+"""Cohere Command R7B and Command A reasoning: <|START_THINKING|>…<|END_THINKING|>."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from localrun.reasoning.base import (
+    HasToken,
+    ReasoningFormat,
+    Switch,
+    no_token,
+    reads,
+    register,
+    thinking_switch,
+)
+
+
+@register(40)
+class CommandR(ReasoningFormat):
+    """<|START_THINKING|>thought<|END_THINKING|>, then <|START_RESPONSE|>answer<|END_RESPONSE|>."""
+
+    name: ClassVar[str] = "command-r"
+    opening: ClassVar[tuple[str, ...]] = ("<|START_THINKING|>",)
+    closing: ClassVar[str] = "<|END_THINKING|>"
+    answer_markers: ClassVar[tuple[str, ...]] = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+
+    @classmethod
+    def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
+        return "<|START_THINKING|>" in template
+
+    @property
+    def closing_text(self) -> str:
+        return self.closing
+
+    @property
+    def can_switch_off(self) -> bool:
+        return reads(self.template, "enable_thinking") or reads(self.template, "thinking")
+
+    def switch(self, think: bool | str | None) -> Switch:
+        return thinking_switch(self.template, think)

@@ -1,0 +1,236 @@
+"""Reasoning formats on llama.cpp's real chat templates: detection, switches rendered through
+localrun's own template sandbox, llama.cpp's own parser cases, and streaming cut anywhere."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import tarfile
+from functools import lru_cache
+from itertools import combinations, pairwise
+
+import pytest
+
+from localrun import reasoning
+from localrun.chat import Message, render_template
+from localrun.reasoning import Split, detect
+from localrun.reasoning.base import FORMATS, ReasoningFormat
+from tests.convert.convert_helpers import (
+    LLAMA_CPP_PYTHON,
+    converter_cache,
+    llama_cpp_converter_dir,
+    need_asset,
+)
+from tests.reasoning_cases import ANSWER, CASES, THOUGHT, Case
+
+# Every real template of llama.cpp's collection that thinks, with its format; the others cannot.
+THINKING = {
+    "Bielik-11B-v3.0-Instruct": "think", "ByteDance-Seed-OSS": "seed", "Cohere2MoE": "command-r",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command-r", "GLM-4.6": "think",
+    "GLM-4.7-Flash": "think", "HuggingFaceTB-SmolLM3-3B": "think", "Kimi-K2-Thinking": "think",
+    "LFM2.5-8B-A1B": "think", "MiniMax-M2": "think", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "think",
+    "NVIDIA-Nemotron-Nano-v2": "think", "Qwen-QwQ-32B": "think", "Qwen-Qwen3-0.6B": "think",
+    "Qwen3.5-4B": "think", "Reka-Edge": "think", "Spark2.5": "think", "StepFun3.5-Flash": "think",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": "think", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "think",
+    "deepseek-ai-DeepSeek-V3.1": "think", "deepseek-ai-DeepSeek-V3.2": "think",
+    "deepseek-ai-DeepSeek-V4-Flash-0731": "think", "deepseek-ai-DeepSeek-V4": "think",
+    "ibm-granite-granite-3.3-2B-Instruct": "granite", "inclusionai-ling-3.0-flash": "think",
+    "llama-cpp-deepseek-r1": "think", "llama-cpp-rwkv-world": "think",
+    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral", "openai-gpt-oss-120b": "harmony",
+    "openbmb-MiniCPM5-1B": "think", "poolside-Laguna-S-2.1": "think", "poolside-Laguna-XS-2.1": "think",
+    "poolside-Laguna-XS.2": "think",
+}
+USER = [Message("system", "You are terse."), Message("user", "Hi")]
+
+
+@lru_cache(maxsize=1)
+def templates() -> dict[str, str]:
+    """llama.cpp's real chat templates, read from the llama-cpp-python sdist (fetched once)."""
+    cache = converter_cache()
+    llama_cpp_converter_dir(cache)  # downloads the sdist when the cache lacks it
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/models/templates/"
+    out = {}
+    with tarfile.open(cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
+        for m in tar:
+            if m.name.startswith(prefix) and m.name.endswith(".jinja"):
+                f = tar.extractfile(m)
+                assert f is not None
+                out[m.name[len(prefix):-len(".jinja")]] = f.read().decode()
+    return out
+
+
+def fmt_of(name: str) -> ReasoningFormat:
+    fmt = detect(templates()[name])
+    assert fmt is not None, name
+    return fmt
+
+
+def prompt(name: str, think: bool | str | None, messages: list[Message] = USER) -> str:
+    """The generation prompt a template renders with the format's switch for think."""
+    fmt = fmt_of(name)
+    sw = fmt.switch(think)
+    if sw.system_flag:
+        messages = [Message("system", f"{messages[0].content} {sw.system_flag}"), *messages[1:]]
+    return render_template(templates()[name], messages, bos_token="<s>", eos_token="</s>", **sw.variables)
+
+
+def streamed(fmt: ReasoningFormat, pieces: list[str], start_inside: bool) -> Split:
+    s = fmt.splitter(start_inside)
+    out = Split()
+    for p in pieces:
+        out += s.feed(p)
+        for marker in (*fmt.opening, fmt.closing):
+            assert marker not in out.thinking and marker not in out.answer
+    return out + s.flush()
+
+
+# -- detection -----------------------------------------------------------------------------------
+
+def test_every_real_template_is_detected_as_it_thinks() -> None:
+    assert len(templates()) >= 70
+    found = {name: f.name for name, t in templates().items() if (f := detect(t))}
+    assert found == THINKING
+    assert not reasoning.can_think(templates()["meta-llama-Llama-3.1-8B-Instruct"])
+    assert not reasoning.can_think(None)
+
+
+def test_the_vocabulary_decides_a_template_that_only_strips_thoughts() -> None:
+    # LFM2.5-Instruct names only </think> (to drop thoughts from history): it thinks only when
+    # its vocabulary has <think> as one token, as the real Qwen3 tokenizer does
+    config = json.loads(need_asset("tokenizers", "qwen3", "tokenizer.json").read_text())
+    added = {t["content"] for t in config["added_tokens"]}
+    assert "<think>" in added
+    template = templates()["LFM2.5-Instruct"]
+    assert detect(template) is None
+    fmt = detect(template, added.__contains__)
+    assert fmt is not None and fmt.name == "think"
+
+
+def test_every_format_module_registers_its_format() -> None:
+    defined = []
+    for info in pkgutil.iter_modules(reasoning.__path__):
+        module = importlib.import_module(f"localrun.reasoning.{info.name}")
+        defined += [o for o in vars(module).values() if isinstance(o, type) and issubclass(o, ReasoningFormat)
+                    and o is not ReasoningFormat and o.__module__ == module.__name__]
+    assert sorted(c.__name__ for c in defined) == sorted(c.__name__ for c in FORMATS.all())
+    assert {c.name for c in FORMATS.all()} == set(THINKING.values())
+
+
+# -- switches, rendered ----------------------------------------------------------------------------
+
+def test_qwen3_off_renders_an_empty_thought_and_on_leaves_it_to_the_model() -> None:
+    fmt = fmt_of("Qwen-Qwen3-0.6B")
+    assert fmt.can_switch_off and dict(fmt.switch(False).variables) == {"enable_thinking": False}
+    on, off = prompt("Qwen-Qwen3-0.6B", True), prompt("Qwen-Qwen3-0.6B", False)
+    assert on.endswith("<|im_start|>assistant\n") and not fmt.starts_inside(on)
+    assert off == on + "<think>\n\n</think>\n\n" and not fmt.starts_inside(off)
+    assert fmt.history_field == "reasoning_content"
+
+
+@pytest.mark.parametrize("name", ["Qwen-QwQ-32B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+                                  "Qwen3.5-4B", "deepseek-ai-DeepSeek-V3.1"])
+def test_templates_that_open_the_thought_in_the_prompt(name: str) -> None:
+    fmt = fmt_of(name)
+    on = prompt(name, True)
+    assert on.rstrip().endswith("<think>") and fmt.starts_inside(on)
+    if fmt.can_switch_off:
+        off = prompt(name, False)
+        assert off != on and not fmt.starts_inside(off)
+
+
+def test_smollm3_reads_the_switch_from_its_variable_and_its_system_flag() -> None:
+    fmt = fmt_of("HuggingFaceTB-SmolLM3-3B")
+    assert fmt.switch(False).system_flag == "/no_think" and fmt.switch(True).system_flag == "/think"
+    on, off = prompt("HuggingFaceTB-SmolLM3-3B", True), prompt("HuggingFaceTB-SmolLM3-3B", False)
+    assert "Reasoning Mode: /think" in on and "Reasoning Mode: /no_think" in off
+    assert off.endswith("<think>\n\n</think>\n") and not on.rstrip().endswith("</think>")
+
+
+def test_gpt_oss_takes_an_effort_and_cannot_be_switched_off() -> None:
+    fmt = fmt_of("openai-gpt-oss-120b")
+    assert not fmt.can_switch_off and fmt.history_field == "thinking"
+    assert "Reasoning: medium" in prompt("openai-gpt-oss-120b", None)
+    for effort in ("low", "high"):
+        assert f"Reasoning: {effort}" in prompt("openai-gpt-oss-120b", effort)
+    assert prompt("openai-gpt-oss-120b", False) == prompt("openai-gpt-oss-120b", None)
+
+
+def test_granite_and_seed_switches_change_the_prompt() -> None:
+    granite, user = "ibm-granite-granite-3.3-2B-Instruct", [Message("user", "Hi")]
+    assert "<think></think>" in prompt(granite, True, user) and "<think></think>" not in prompt(granite, False, user)
+    seed = "ByteDance-Seed-OSS"
+    assert fmt_of(seed).can_switch_off
+    assert prompt(seed, False).endswith("</seed:think>") and not prompt(seed, None).endswith("</seed:think>")
+    assert not fmt_of("mistralai-Ministral-3-14B-Reasoning-2512").can_switch_off
+
+
+# -- llama.cpp's own parser cases --------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.template}:{c.line}" for c in CASES])
+def test_llama_cpp_parser_cases_agree(case: Case) -> None:
+    fmt = fmt_of(case.template)
+    inside = fmt.starts_inside(prompt(case.template, True if case.think is None else case.think))
+    got = fmt.split(case.raw, inside)
+    assert (got.thinking, got.answer, got.calls) == (case.thinking, case.answer, case.calls)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.template}:{c.line}" for c in CASES])
+def test_any_cut_of_the_stream_gives_the_whole_split(case: Case) -> None:
+    fmt = fmt_of(case.template)
+    inside = fmt.starts_inside(prompt(case.template, True if case.think is None else case.think))
+    whole = fmt.split(case.raw, inside)
+    raw = case.raw
+    assert streamed(fmt, list(raw), inside) == whole  # one character a feed
+    cuts = range(1, len(raw))
+    for k in (1, 2):
+        for at in combinations(cuts, k):
+            bounds = (0, *at, len(raw))
+            assert streamed(fmt, [raw[a:b] for a, b in pairwise(bounds)], inside) == whole, at
+
+
+# -- streaming states, cut thoughts, budgets ---------------------------------------------------------
+
+def test_a_split_marker_never_leaks_and_states_follow_the_stream() -> None:
+    fmt = fmt_of("Qwen-Qwen3-0.6B")
+    s = fmt.splitter(start_inside=False)
+    assert s.feed("<th") == Split() and not s.opened
+    assert s.feed("ink>\nI'm") == Split(thinking="I'm") and s.in_thought and s.opened
+    assert s.feed("\nthinking\n</th") == Split(thinking="\nthinking") and s.in_thought
+    assert s.feed("ink>") == Split() and s.closed and not s.in_thought
+    assert s.feed("\n\nHello") == Split(answer="Hello")
+    assert s.flush() == Split()
+
+
+@pytest.mark.parametrize("name", sorted(set(THINKING) - {"LFM2.5-8B-A1B"}))
+def test_a_cut_thought_flushes_as_thinking_and_the_budget_closing_ends_it(name: str) -> None:
+    fmt = fmt_of(name)
+    s = fmt.splitter(start_inside=True)
+    assert s.in_thought
+    part = s.feed("Step one, then step")
+    assert s.in_thought and not s.closed
+    assert part + s.flush() == Split(thinking="Step one, then step")  # cut by max_tokens
+    s = fmt.splitter(start_inside=True)
+    got = s.feed("Step one") + s.feed(fmt.closing_text) + s.feed(ANSWER)
+    assert s.closed and not s.in_thought
+    assert got + s.flush() == Split(thinking="Step one", answer=ANSWER)
+
+
+def test_text_before_a_thought_is_all_answer_as_in_llama_cpp() -> None:
+    fmt = fmt_of("Qwen-Qwen3-0.6B")
+    raw = f"Sure. <think>{THOUGHT}</think>{ANSWER}"
+    assert fmt.split(raw) == Split(answer=raw)
+    assert fmt.split(f"  \n<think>{THOUGHT}</think>\n{ANSWER}") == Split(THOUGHT, ANSWER)
+
+
+def test_harmony_tool_calls_go_whole_to_calls_after_the_thought() -> None:
+    fmt = fmt_of("openai-gpt-oss-120b")
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    raw = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant{call}"
+    s = fmt.splitter()
+    got = Split()
+    for ch in raw:
+        got += s.feed(ch)
+    got += s.flush()
+    assert got == Split(thinking=THOUGHT, calls=call)
+    assert s.closed and not s.in_thought
