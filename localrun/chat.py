@@ -253,6 +253,23 @@ def render_template(
         _LIMITS.output = TEMPLATE_MIN_OUTPUT
 
 
+def thinking_inputs(messages: Sequence[Message], variables: Mapping[str, Any], system_flag: str | None,
+                    template_kwargs: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
+    """The messages and extra template variables that switch a thinking model's thought on or off:
+    the format's variables (enable_thinking, reasoning_effort...), then the client's own
+    chat_template_kwargs, which win; a system flag (/think, /no_think) ends the system prompt,
+    or is one when there is none."""
+    out = list(messages)
+    if system_flag:
+        if out and out[0].role == "system":
+            first = out[0]
+            out[0] = Message("system", f"{first.content.rstrip()} {system_flag}".lstrip(), first.tool_calls,
+                             first.tool_call_id, first.name)
+        else:
+            out.insert(0, Message("system", system_flag))
+    return out, {**variables, **template_kwargs}
+
+
 def render_plain(messages: Sequence[Message]) -> str:
     """The fallback prompt for models without a chat template."""
     parts = []

@@ -10,6 +10,8 @@ from typing import Any
 from localrun.chat import Message, parse_messages
 from localrun.errors import UsageError
 
+THINK_EFFORTS = ("low", "medium", "high")
+
 
 def _adapters(value: Any) -> tuple[tuple[str, float], ...]:
     """(path, scale) pairs as a tuple of tuples (JSON brings them back as lists)."""
@@ -56,6 +58,8 @@ class GenerationParams:
     special: bool = False  # render control tokens as text (tool-call openers such as [TOOL_CALLS])
     # GGUF LoRA adapters applied to this reply, as (adapter file, scale); the base model stays loaded
     lora: tuple[tuple[str, float], ...] = ()
+    # A thinking model's thought ends after this many tokens: the loop inserts the format's closing marker
+    think_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check(_finite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
@@ -71,6 +75,8 @@ class GenerationParams:
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "an integer in [0, 20]")
         _check(self.grammar_trigger is None or (self.grammar is not None and self.grammar_trigger != ""),
                "grammar_trigger", self.grammar_trigger, "a non-empty text, with a grammar")
+        _check(self.think_budget is None or (isinstance(self.think_budget, int) and self.think_budget >= 0),
+               "--think-budget", self.think_budget, "an integer >= 0 (tokens of thought)")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "lora", _adapters(self.lora))
 
@@ -147,16 +153,24 @@ class Request:
     messages: tuple[Message, ...] = ()
     prompt: str | None = None
     tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)  # rendered by the chat template
+    # Thinking on (True), off (False), at an effort ("low", "medium", "high"), or as the template's default (None)
+    think: bool | str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # a client's chat_template_kwargs
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
             raise UsageError("a request needs either messages or a raw prompt")
         if self.tools and self.prompt is not None:
             raise UsageError("tools need chat messages, not a raw prompt")
+        _check(self.think in (None, True, False, *THINK_EFFORTS), "think", self.think,
+               f"true, false or an effort ({', '.join(THINK_EFFORTS)})")
+        object.__setattr__(self, "template_kwargs", dict(self.template_kwargs or {}))
 
     @classmethod
-    def chat(cls, messages: Any, tools: Any = ()) -> Request:
-        return cls(messages=tuple(parse_messages(messages)), tools=tuple(tools or ()))
+    def chat(cls, messages: Any, tools: Any = (), think: bool | str | None = None,
+             template_kwargs: dict[str, Any] | None = None) -> Request:
+        return cls(messages=tuple(parse_messages(messages)), tools=tuple(tools or ()), think=think,
+                   template_kwargs=dict(template_kwargs or {}))
 
     @classmethod
     def raw(cls, prompt: str, system: str | None = None) -> Request:
@@ -168,13 +182,14 @@ class Request:
         return {"tools": [dict(t) for t in self.tools]} if self.tools else {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt, "tools": list(self.tools)}
+        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt, "tools": list(self.tools),
+                "think": self.think, "template_kwargs": dict(self.template_kwargs)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Request:
         if data.get("prompt") is not None:
-            return cls.raw(data["prompt"])
-        return cls.chat(data["messages"], data.get("tools") or ())
+            return cls(prompt=data["prompt"], think=data.get("think"))
+        return cls.chat(data["messages"], data.get("tools") or (), data.get("think"), data.get("template_kwargs"))
 
 
 @dataclass(frozen=True)
@@ -208,6 +223,8 @@ class Chunk:
     decode_ms: float = 0.0
     seed: int | None = None
     cached_tokens: int = 0  # prompt tokens found in the KV cache (not evaluated again)
+    thinking: str = ""  # a thinking model's thought, kept apart from the answer (text)
+    thinking_tokens: int = 0  # on the last chunk: tokens generated inside the thought
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text is in this chunk
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from localrun.errors import BackendUnavailableError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
+
+if TYPE_CHECKING:
+    from localrun.reasoning import ReasoningFormat
 
 
 class Cancel(Protocol):
@@ -101,6 +104,9 @@ class Engine(Protocol):
     n_ctx: int  # tokens per sequence
     n_slots: int
     can_copy: bool  # whether start() can copy a prefix from another slot's KV cache
+    # How the model writes its thought apart from its answer (from its chat template and vocabulary,
+    # detected once at load), or None for a model that does not think
+    reasoning: ReasoningFormat | None
 
     def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
         """Render (chat template or raw) and tokenize; may add the template's own stop strings."""
@@ -142,6 +148,15 @@ class Engine(Protocol):
 
     def is_eog(self, token: int) -> bool:
         """Whether token ends generation (EOS, EOT...)."""
+        ...
+
+    def text_tokens(self, text: str) -> list[int]:
+        """Tokenize text as generated output (control tokens by their text, no BOS)."""
+        ...
+
+    def force(self, slot: int, tokens: list[int]) -> None:
+        """Make the sequence in slot sample exactly these tokens next, one per step (a thinking
+        budget's closing marker); the loop sees them as sampled tokens."""
         ...
 
     def detokenizer(self, special: bool = False) -> Detokenizer:
@@ -225,6 +240,8 @@ class RowResult:
     seed: int | None = None
     cached_tokens: int = 0
     error: str | None = None
+    thinking: str = ""  # a thinking model's thought, apart from text
+    thinking_tokens: int = 0
 
 
 @dataclass(frozen=True)

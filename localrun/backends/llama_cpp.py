@@ -17,7 +17,7 @@ from typing import Any
 from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_loader import LOG, last_log_error, library, load_model, new_context
-from localrun.chat import PLAIN_STOPS, render_plain, render_template
+from localrun.chat import PLAIN_STOPS, render_plain, render_template, thinking_inputs
 from localrun.errors import (
     BadModelFileError,
     ContextOverflowError,
@@ -86,7 +86,7 @@ class LlamaCppBackend:
 class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
-    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar")
+    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced")
 
     def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
                  grammar: GrammarState | None) -> None:
@@ -97,6 +97,7 @@ class _Seq:
         self.sampler = sampler
         self.logprobs = logprobs
         self.grammar = grammar
+        self.forced: list[int] = []  # tokens the next samples must be (a thinking budget's closing marker)
 
 
 class LlamaCppEngine:
@@ -149,6 +150,9 @@ class LlamaCppEngine:
         self._adapters: dict[str, Any] = {}  # adapter file -> llama_adapter_lora, loaded on first use
         self.lora: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
         self._template = self.meta("tokenizer.chat_template")
+        from localrun.reasoning import detect
+
+        self.reasoning = detect(self._template, lambda t: self.special_id(t) is not None)
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab, self.token_text)
 
     def _llg_tokenizer(self) -> Any:
@@ -299,14 +303,25 @@ class LlamaCppEngine:
             return tokens or [self.bos]
         bos_text = self.token_text(self.bos)
         if self._template:
-            text = render_template(self._template, request.messages, bos_token=bos_text,
-                                   eos_token=self.token_text(self.eos), **request.template_extras())
+            sw = self.reasoning.switch(request.think) if self.reasoning is not None else None
+            messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
+                                               sw.system_flag if sw else None, request.template_kwargs)
+            text = render_template(self._template, messages, bos_token=bos_text,
+                                   eos_token=self.token_text(self.eos), **{**request.template_extras(), **extras})
         else:
             text = render_plain(request.messages)
             stops.extend(PLAIN_STOPS)
         # A template that writes the BOS itself must not get a second one.
         add_special = self.add_bos and not (bos_text and text.startswith(bos_text))
         return self.tokenize(text, add_special=add_special, parse_special=True) or [self.bos]
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self.tokenize(text, add_special=False, parse_special=True)
+
+    def force(self, slot: int, tokens: list[int]) -> None:
+        q = self.seqs[slot]
+        if q is not None:
+            q.forced = list(tokens)
 
     def is_eog(self, token: int) -> bool:
         return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
@@ -409,7 +424,13 @@ class LlamaCppEngine:
             q = seqs[s]
             assert q is not None
             g = q.grammar
-            if g is not None and g.active:
+            if q.forced:  # only the forced token stays possible, as a grammar's mask leaves only allowed ones
+                logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), shape=(self.n_vocab,))
+                keep = q.forced.pop(0)
+                value = logits[keep]
+                logits[:] = -np.inf
+                logits[keep] = value if np.isfinite(value) else 0.0
+            elif g is not None and g.active:
                 g.mask_logits(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), shape=(self.n_vocab,)))
             tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
             if g is not None:

@@ -10,7 +10,9 @@ limit, incremental UTF-8, cancellation, statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -26,18 +28,38 @@ from localrun.errors import (
     UsageError,
 )
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
+from localrun.reasoning import Splitter
+from localrun.tools.lark import regex_literal, special
 
 
 class Sink(Protocol):
     """Where the loop sends what each request produces."""
 
-    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None: ...
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
+        """New answer text and, for a thinking model, new thought (passed only when there is some)."""
+        ...
 
     def done(self, rid: Any, final: Chunk, text: str | None) -> None:
-        """The request ended; text is the whole reply for requests submitted with stream=False."""
+        """The request ended; text is the whole reply for requests submitted with stream=False
+        (its thought, if any, is final.thinking)."""
         ...
 
     def error(self, rid: Any, error: LocalrunError) -> None: ...
+
+
+def after_thought(lark: str, opening: str, closing: str, inside: bool) -> str:
+    """A grammar that lets a thinking model think first: an optional thought between the format's
+    markers (a required one when the prompt opened it), then the original grammar. Free text
+    cannot run past the closing marker (the lexer is greedy), as tools.lark.thought() does."""
+    body = re.sub(r"(?m)^([?!]?)start(\s*:)", r"\1answer_start\2", lark)
+    c = regex_literal(closing)
+    head = "reasoning " if inside else f"({special(opening)} reasoning)? "
+    return (f"start: {head}answer_start\n"
+            f"reasoning: REASONING {special(closing)} REASONING_WS? | reasoning_lit REASONING_WS?\n"
+            "reasoning_lit[lazy]: REASONING_LIT\n"
+            f"REASONING: /(?s:.*)/ & ~/(?s:.*){c}(?s:.*)/\n"
+            f"REASONING_LIT: /(?s:.*){c}/\n"
+            "REASONING_WS: /[ \\t\\r\\n]+/\n" + body)
 
 
 def _lcp(a: list[int], b: list[int], limit: int) -> int:
@@ -53,10 +75,11 @@ class _Job:
     """One request: queued, then running in a slot."""
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
-                 "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora")
+                 "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora", "split",
+                 "thought", "n_thought", "closing")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
-                 n_ctx: int) -> None:
+                 n_ctx: int, split: Splitter | None = None, closing: str = "") -> None:
         self.rid = rid
         self.tokens = tokens
         self.params = params
@@ -75,6 +98,10 @@ class _Job:
         self.sampled = False
         self.reused = 0
         self.lora = params.lora  # the adapters it runs with: only jobs with the same ones share a step
+        self.split = split  # a thinking model's splitter: thought apart from answer
+        self.thought: list[str] = []  # the whole thought, for requests submitted with stream=False
+        self.n_thought = 0  # tokens generated inside the thought
+        self.closing = closing  # what ends the thought at its budget ("" once inserted)
 
 
 class EngineLoop:
@@ -119,12 +146,31 @@ class EngineLoop:
             if len(tokens) >= n_ctx:
                 raise ContextOverflowError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}",
                                            "use a larger --ctx or a shorter prompt")
+            split, params = self._thinking(request, tokens, params)
         except LocalrunError as e:
             self.sink.error(rid, e)
             return
-        job = _Job(rid, tokens, params, stops, stream, n_ctx)
+        fmt = self.engine.reasoning
+        closing = fmt.closing_text if split is not None and fmt is not None and params.think_budget is not None else ""
+        job = _Job(rid, tokens, params, stops, stream, n_ctx, split, closing)
         self.jobs[rid] = job
         self.queue.append(job)
+
+    def _thinking(self, request: Request, tokens: list[int],
+                  params: GenerationParams) -> tuple[Splitter | None, GenerationParams]:
+        """A thinking model's chat reply gets a splitter; a grammar without a trigger (a schema) then
+        lets the model think first, unless thinking is off."""
+        fmt = self.engine.reasoning
+        if fmt is None or request.prompt is not None:
+            return None, params
+        detok = self.engine.detokenizer(True)
+        tail = "".join(detok.feed(t) for t in tokens[-16:]) + detok.flush()
+        inside = fmt.starts_inside(tail)
+        thinks = inside or request.think is not False or not fmt.can_switch_off
+        if params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing and fmt.opening:
+            params = dataclasses.replace(params, grammar=after_thought(params.grammar, fmt.opening[0], fmt.closing,
+                                                                       inside))
+        return fmt.splitter(inside), params
 
     def cancel(self, rid: Any) -> None:
         """Stop one request (queued or running); the others go on undisturbed."""
@@ -255,6 +301,7 @@ class EngineLoop:
             self.prompt_tokens += len(job.tokens) - job.reused
             self.cached[slot] = []
             self.slots[slot] = job
+            self._budget(job)
 
     # -- tokens -> text -------------------------------------------------------------------
     def _token(self, s: Sampled) -> None:
@@ -280,20 +327,40 @@ class EngineLoop:
         if s.logprob is not None:
             job.lps.append(s.logprob)
         text = job.detok.feed(tok)
+        thinking = ""
+        if job.split is not None:
+            was = job.split.in_thought
+            part = job.split.feed(text)
+            if was and job.split.in_thought:
+                job.n_thought += 1
+            thinking, text = part.thinking, part.answer + part.calls
+            self._budget(job)
         out, hit = job.matcher.feed(text) if job.stops else (text, False)
-        if out:
-            self._emit(job, out)
+        if out or thinking:
+            self._emit(job, out, thinking)
         if hit:
             self._end(job, "stop", flush=False)
         elif job.n_gen >= job.budget:
             self._end(job, "length")
 
-    def _emit(self, job: _Job, text: str) -> None:
+    def _budget(self, job: _Job) -> None:
+        """A thought at its budget ends: the engine's next samples are the format's closing marker."""
+        limit = job.params.think_budget
+        if job.closing and limit is not None and job.split is not None and job.split.in_thought \
+                and job.n_thought >= limit:
+            self.engine.force(job.slot, self.engine.text_tokens(job.closing))
+            job.closing = ""
+
+    def _emit(self, job: _Job, text: str, thinking: str = "") -> None:
         if job.stream:
             lps, job.lps = job.lps, []
-            self.sink.text(job.rid, text, lps)
+            if thinking:
+                self.sink.text(job.rid, text, lps, thinking)
+            else:
+                self.sink.text(job.rid, text, lps)
         else:
             job.parts.append(text)
+            job.thought.append(thinking)
 
     def _drop(self, job: _Job) -> None:
         """Take a request out of the queue or its slot; the slot's KV cache stays for reuse."""
@@ -312,12 +379,19 @@ class EngineLoop:
     def _end(self, job: _Job, finish: str, flush: bool = True) -> None:
         self._drop(job)
         if finish != "cancelled" and flush:
-            tail = job.matcher.feed(job.detok.flush())[0] + job.matcher.flush() if job.detok else ""
-            if tail or job.lps:
-                self._emit(job, tail)
+            tail, thinking = job.detok.flush() if job.detok else "", ""
+            if job.split is not None:
+                part = job.split.feed(tail) + job.split.flush()
+                tail, thinking = part.answer + part.calls, part.thinking
+            tail = job.matcher.feed(tail)[0] + job.matcher.flush() if job.detok else ""
+            if tail or thinking or job.lps:
+                self._emit(job, tail, thinking)
         t_end = time.perf_counter()
         t0 = job.t0 or t_end
         final = Chunk.final(finish, len(job.tokens), job.n_gen, t0, job.t1 or t_end, t_end, job.seed, job.reused)
+        if job.split is not None:
+            final = dataclasses.replace(final, thinking="" if job.stream else "".join(job.thought),
+                                        thinking_tokens=job.n_thought)
         self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
 
 
@@ -326,8 +400,8 @@ class _Collect:
         self.out = out
         self.failure: LocalrunError | None = None
 
-    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
-        self.out.append(Chunk(text=text, logprobs=tuple(logprobs)))
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
+        self.out.append(Chunk(text=text, thinking=thinking, logprobs=tuple(logprobs)))
 
     def done(self, rid: Any, final: Chunk, text: str | None) -> None:
         self.out.append(final)

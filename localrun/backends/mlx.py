@@ -15,7 +15,7 @@ from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
-from localrun.chat import PLAIN_STOPS, render_plain, render_template
+from localrun.chat import PLAIN_STOPS, render_plain, render_template, thinking_inputs
 from localrun.constraint import import_llguidance
 from localrun.errors import (
     BackendUnavailableError,
@@ -158,6 +158,20 @@ def constrain(mx: Any, grammar: GrammarState, n_fed: int) -> Callable[[Any, Any]
     return process
 
 
+def forcing(mx: Any, queue: list[int]) -> Callable[[Any, Any], Any]:
+    """A logits processor that leaves only the next queued token possible while the queue (a
+    thinking budget's closing marker, filled by Engine.force) has any; last in the chain."""
+
+    def process(tokens: Any, logits: Any) -> Any:
+        if not queue:
+            return logits
+        keep = queue.pop(0)
+        ids = mx.arange(logits.shape[-1])[None]
+        return mx.where(ids == keep, mx.zeros_like(logits), mx.full(logits.shape, -float("inf"), logits.dtype))
+
+    return process
+
+
 def penalties(mx: Any, params: GenerationParams, n_fed: int) -> Callable[[Any, Any], Any]:
     """llama.cpp's repetition, frequency and presence penalties over the last `repeat_last_n`
     generated tokens (not the prompt).
@@ -296,6 +310,10 @@ class MLXEngine:
         self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
         self.logprobs: list[int | None] = [None] * self.n_slots
         self.grammar: list[GrammarState | None] = [None] * self.n_slots  # fed by the logits processor
+        self.forced: list[list[int]] = [[] for _ in range(self.n_slots)]  # read by each slot's forcing processor
+        from localrun.reasoning import detect
+
+        self.reasoning = detect(self.template, lambda t: self.special_id(t) is not None)
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
                                  lambda t: str(self.tokenizer.decode([t])))
 
@@ -387,8 +405,11 @@ class MLXEngine:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
         if self.template:
-            text = render_template(self.template, request.messages, bos_token=bos, eos_token=tok.eos_token or "",
-                                   **request.template_extras())
+            sw = self.reasoning.switch(request.think) if self.reasoning is not None else None
+            messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
+                                               sw.system_flag if sw else None, request.template_kwargs)
+            text = render_template(self.template, messages, bos_token=bos, eos_token=tok.eos_token or "",
+                                   **{**request.template_extras(), **extras})
         elif getattr(tok, "_chat_template", None) is not None:
             # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).
             text = tok.apply_chat_template([m.to_dict() for m in request.messages], tokenize=False,
@@ -401,6 +422,12 @@ class MLXEngine:
 
     def is_eog(self, token: int) -> bool:
         return token in self.eos
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self._encode(text, add_special=False, parse_special=True)
+
+    def force(self, slot: int, tokens: list[int]) -> None:
+        self.forced[slot][:] = tokens
 
     def detokenizer(self, special: bool = False) -> _Detok:
         return _Detok(self.tokenizer)
@@ -426,6 +453,8 @@ class MLXEngine:
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         if grammar is not None:
             processors.append(constrain(mx, grammar, len(tokens) - keep))
+        self.forced[slot] = []
+        processors.append(forcing(mx, self.forced[slot]))
         (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
                                  caches=[cache] if cache is not None else None,
                                  samplers=[make_sampler(mx, params, self.vocab_size)],

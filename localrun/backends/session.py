@@ -283,7 +283,8 @@ class WorkerSession:
                         c = msg["chunk"]
                         if c["finish_reason"] != "cancelled":
                             yield RowResult(row_id, msg.get("text") or "", c["finish_reason"], c["prompt_tokens"],
-                                            c["completion_tokens"], c["seed"], c.get("cached_tokens", 0))
+                                            c["completion_tokens"], c["seed"], c.get("cached_tokens", 0),
+                                            thinking=c.get("thinking", ""), thinking_tokens=c.get("thinking_tokens", 0))
                     submit_more()
                 if self.stats != last_stats:
                     last_stats = self.stats
@@ -359,7 +360,8 @@ class _Delivery:
             text = msg.get("t")
             if text is not None:
                 lps = msg.get("l")
-                self.deliver(Chunk(text=text, logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ()))
+                self.deliver(Chunk(text=text, thinking=msg.get("r", ""),
+                                   logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ()))
                 return
             if "error" in msg:
                 t.error = error_from_wire(msg["error"])

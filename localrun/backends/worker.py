@@ -28,11 +28,13 @@ class _PipeSink:
     def __init__(self, chan: Channel) -> None:
         self.send = chan.send
 
-    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
+        msg: dict[str, Any] = {"i": rid, "t": text}
         if logprobs:
-            self.send({"i": rid, "t": text, "l": [lp.to_list() for lp in logprobs]})
-        else:
-            self.send({"i": rid, "t": text})
+            msg["l"] = [lp.to_list() for lp in logprobs]
+        if thinking:
+            msg["r"] = thinking
+        self.send(msg)
 
     def done(self, rid: Any, final: Chunk, text: str | None) -> None:
         d = final.to_dict()
