@@ -45,11 +45,20 @@ def _embedding(model: ModelInfo, abilities: Abilities | None) -> bool:
     return embeds_only(model) or bool(abilities and abilities.embeddings)
 
 
+def _thinking(model: ModelInfo, abilities: Abilities | None) -> bool:
+    # A reasoning format found in the model's chat template (localrun.reasoning); never from its name.
+    from localrun.api import chat_template
+    from localrun.reasoning import can_think
+
+    return not embeds_only(model) and can_think(chat_template(model))
+
+
 RULES: tuple[tuple[str, Callable[[ModelInfo, Abilities | None], bool]], ...] = (
     ("completion", _completion),
     ("tools", _tools),
     ("insert", _insert),
     ("embedding", _embedding),
+    ("thinking", _thinking),
 )
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -143,27 +144,33 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, 
     run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds())
     await run.begin()
 
-    def piece(text: str) -> Any:
-        return {"role": "assistant", "content": text} if key == "message" else text
+    def piece(text: str, thinking: str = "") -> dict[str, Any]:
+        """A line's reply fields: the message (with its thinking) in chat, response and thinking in generate."""
+        if key == "message":
+            msg = {"role": "assistant", "content": text}
+            return {"message": {**msg, "thinking": thinking} if thinking else msg}
+        return {"response": text, "thinking": thinking} if thinking else {"response": text}
 
     if body.stream:
-        lines = _tool_lines(run, body, plan) if plan is not None else _lines(run, body, piece, key)
+        lines = _tool_lines(run, body, plan) if plan is not None else _lines(run, body, piece)
         return RunResponse(lines, run, NDJSON)
     parts: list[str] = []
+    thought: list[str] = []
     lps: list[dict[str, Any]] = []
 
     async def collect() -> None:
         async for _, chunk in run.items():
             if not chunk.done:
                 parts.append(chunk.text)
+                thought.append(chunk.thinking)
                 lps.extend(_logprobs(chunk))
 
     await run.complete(collect())
-    out = {"model": body.model, "created_at": _now(), key: piece("".join(parts)), "done": True,
+    out = {"model": body.model, "created_at": _now(), **piece("".join(parts), "".join(thought)), "done": True,
            **_stats(run, run.finals[0])}
     if plan is not None:
         content, calls = plan.parse("".join(parts))
-        out[key] = {"role": "assistant", "content": content}
+        out[key] = {**out[key], "content": content}
         if calls:
             out[key]["tool_calls"] = [c.to_ollama() for c in calls]
     if body.logprobs:
@@ -171,14 +178,15 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, 
     return JSONResponse(out)
 
 
-async def _lines(run: Run, body: OllamaGenerating, piece: Any, key: str) -> AsyncIterator[bytes]:
+async def _lines(run: Run, body: OllamaGenerating, piece: Any) -> AsyncIterator[bytes]:
     try:
         async for _, chunk in run.items():
             if chunk.done:
-                yield _line({"model": body.model, "created_at": _now(), key: piece(""), "done": True,
+                yield _line({"model": body.model, "created_at": _now(), **piece(""), "done": True,
                              **_stats(run, chunk)})
-            elif chunk.text or body.logprobs:
-                line: dict[str, Any] = {"model": body.model, "created_at": _now(), key: piece(chunk.text), "done": False}
+            elif chunk.text or chunk.thinking or body.logprobs:
+                line: dict[str, Any] = {"model": body.model, "created_at": _now(), **piece(chunk.text, chunk.thinking),
+                                        "done": False}
                 if body.logprobs:
                     line["logprobs"] = _logprobs(chunk)
                 yield _line(line)
@@ -192,8 +200,9 @@ async def _tool_lines(run: Run, body: OllamaGenerating, plan: ToolPlan) -> Async
     streamer = plan.streamer()
     calls: dict[int, dict[str, Any]] = {}
 
-    def message(content: str) -> bytes:
-        return _line({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": content},
+    def message(content: str, thinking: str = "") -> bytes:
+        msg = {"role": "assistant", "content": content}
+        return _line({"model": body.model, "created_at": _now(), "message": {**msg, "thinking": thinking} if thinking else msg,
                       "done": False})
 
     def take(items: list[Any]) -> str:
@@ -211,9 +220,9 @@ async def _tool_lines(run: Run, body: OllamaGenerating, plan: ToolPlan) -> Async
     try:
         async for _, chunk in run.items():
             if not chunk.done:
-                text = take(streamer.feed(chunk.text)) if streamer else chunk.text
-                if text:
-                    yield message(text)
+                text = take(streamer.feed(chunk.text)) if streamer and chunk.text else chunk.text
+                if text or chunk.thinking:
+                    yield message(text, chunk.thinking)
                 continue
             text = take(streamer.flush()) if streamer else ""
             if text:
@@ -238,17 +247,29 @@ def _message(m: Any) -> dict[str, Any]:
     return out
 
 
+async def _think(body: OllamaGenerating, model: ModelInfo) -> bool | str | None:
+    """The request's think; asking a model that cannot think to think is refused, as Ollama does."""
+    if body.think not in (None, False):
+        caps = await asyncio.to_thread(api.capabilities, model)
+        if "thinking" not in caps:
+            raise UsageError(f'"{body.model}" does not support thinking',
+                             "send the request without think, or use a model that thinks")
+    return body.think
+
+
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
     params = body.generation()
+    think = await _think(body, model)
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
     plan = ToolPlan.make(api.chat_template(model), body.tools, None)
     messages = parse_messages([_message(m) for m in body.messages])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
+    req = dataclasses.replace(req, think=think)
     if plan:
         params = plan.params(params)
     return await _answer(request, body, target, req, params, "message", plan)
@@ -261,6 +282,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
     params = body.generation()
+    think = await _think(body, model)
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})
     if body.raw:
@@ -268,7 +290,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
-        req = Request.chat(messages)
+        req = Request.chat(messages, think=think)
     return await _answer(request, body, target, req, params, "response")
 
 

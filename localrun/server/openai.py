@@ -133,13 +133,16 @@ def _logprobs_of(chunk: Chunk) -> list[Any]:
     return list(chunk.logprobs)
 
 
-async def _collect(run: Run) -> tuple[dict[int, str], dict[int, list[Any]]]:
+async def _collect(run: Run, thoughts: dict[int, list[str]] | None = None) -> tuple[dict[int, str], dict[int, list[Any]]]:
+    """Each choice's text and logprobs; a thinking model's thought goes to `thoughts`, if given."""
     texts: dict[int, list[str]] = defaultdict(list)
     lps: dict[int, list[Any]] = defaultdict(list)
     async for i, chunk in run.items():
         if not chunk.done:
             texts[i].append(chunk.text)
             lps[i].extend(_logprobs_of(chunk))
+            if thoughts is not None and chunk.thinking:
+                thoughts[i].append(chunk.thinking)
     return {i: "".join(t) for i, t in texts.items()}, lps
 
 
@@ -187,6 +190,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
+    req = dataclasses.replace(req, think=body.think, template_kwargs=dict(body.chat_template_kwargs or {}))
     if plan:
         params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
@@ -199,16 +203,20 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
         base = {**head, "object": "chat.completion.chunk"}
         events = _sse_stream(_chat_events(run, jobs, base, body, plan), run, jobs, base, body.include_usage)
         return RunResponse(events, run, "text/event-stream")
-    texts, lps = await run.complete(_collect(run))
+    thoughts: dict[int, list[str]] = defaultdict(list)
+    texts, lps = await run.complete(_collect(run, thoughts))
     choices = []
     for i in range(len(jobs)):
         message: dict[str, Any] = {"role": "assistant", "content": texts.get(i, "")}
+        thought = "".join(thoughts.get(i, ()))
         finish = _finish(run.finals[i].finish_reason)
         if plan:
             content, calls = plan.parse(texts.get(i, ""))
             if calls:
                 message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
                 finish = "tool_calls"
+        if thought:  # the field llama-server, vLLM and DeepSeek's API use
+            message["reasoning_content"] = thought
         choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(lps[i]) if body.logprobs else None,
                         "finish_reason": finish})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(run, jobs)})
@@ -246,6 +254,8 @@ async def _tool_events(run: Run, jobs: list[Job], plan: ToolPlan,
 
     async for i, chunk in run.items():
         streamer = streamers[i]
+        if chunk.thinking:
+            yield event(i, {"reasoning_content": chunk.thinking})
         if not chunk.done:
             items = streamer.feed(chunk.text) if streamer else [("content", chunk.text)]
         else:
@@ -274,6 +284,8 @@ async def _chat_events(run: Run, jobs: list[Job], base: dict[str, Any], body: Ch
             yield data
         return
     async for i, chunk in run.items():
+        if chunk.thinking:
+            yield event(i, {"reasoning_content": chunk.thinking})
         if not chunk.done:
             if not body.logprobs:
                 if chunk.text:

@@ -142,12 +142,26 @@ class ChatCompletionRequest(Sampling):
     # Off unless asked for, as in llama-server: a small model given room for more calls repeats its first.
     parallel_tool_calls: bool = False
     response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template, as llama-server does
+    think_budget: Annotated[int | None, Field(ge=0)] = None  # tokens of thought
+
+    @property
+    def think(self) -> bool | str | None:
+        """The request's thinking switch: reasoning_effort "none" turns it off, "minimal" is "low"."""
+        if self.reasoning_effort is None:
+            return None
+        if self.reasoning_effort == "none":
+            return False
+        return "low" if self.reasoning_effort == "minimal" else self.reasoning_effort
 
     def generation(self) -> GenerationParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
         params = self.params(self.max_completion_tokens or self.max_tokens,
                              (self.top_logprobs or 0) if self.logprobs else None)
+        if self.think_budget is not None:
+            params = replace(params, think_budget=self.think_budget)
         constraint = response_constraint(self.response_format)
         return replace(params, grammar=constraint.grammar) if constraint is not None else params
 
@@ -246,6 +260,7 @@ class OllamaOptions(_Body):
     seed: Annotated[int | None, Field(lt=SEED_LIMIT)] = None
     num_predict: int | None = None
     stop: str | list[str] | None = None
+    think_budget: Annotated[int | None, Field(ge=0)] = None
 
     def params(self, logprobs: int | None = None) -> GenerationParams:
         values: dict[str, Any] = {k: getattr(self, k) for k in (
@@ -259,6 +274,8 @@ class OllamaOptions(_Body):
             values["max_tokens"] = self.num_predict
         if logprobs is not None:
             values["logprobs"] = logprobs
+        if self.think_budget is not None:
+            values["think_budget"] = self.think_budget
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return GenerationParams(stop=tuple(s for s in stops if s), **values)
 
@@ -278,14 +295,15 @@ class OllamaGenerating(_Loading):
     lora: list[LoraRef] | None = None
     stream: bool = True
     format: Any = None
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+    think_budget: Annotated[int | None, Field(ge=0)] = None  # tokens of thought (also accepted in options)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 
     def generation(self) -> GenerationParams:
-        if self.think not in (None, False):
-            raise UsageError(f"'{self.model}' does not support thinking", "send the request without think")
         params = self.options.params(self.top_logprobs if self.logprobs else None)
+        if self.think_budget is not None:
+            params = replace(params, think_budget=self.think_budget)
         constraint = None
         if self.format == "json":
             constraint = Constraint.json_object()
