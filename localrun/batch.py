@@ -27,7 +27,7 @@ from localrun.system import disk_full
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
-ROW_KEYS = ("id", "prompt", "messages", "system")
+ROW_KEYS = ("id", "prompt", "messages", "system", "think")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
 # Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
 SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special", "lora"))
@@ -53,6 +53,8 @@ class Record(TypedDict, total=False):
     prompt_tokens: int
     completion_tokens: int
     error: str
+    thinking: str  # a thinking model's thought, apart from text
+    thinking_tokens: int
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def key(row_id: Any) -> str:
 # -- input ---------------------------------------------------------------------------------------
 
 
-def _request(prompt: str | None, messages: Any, system: str | None, raw: bool) -> Request:
+def _request(prompt: str | None, messages: Any, system: str | None, raw: bool,
+             think: bool | str | None = None) -> Request:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise UsageError("'prompt' must be a string")
@@ -88,12 +91,12 @@ def _request(prompt: str | None, messages: Any, system: str | None, raw: bool) -
         if raw:
             return Request.raw(prompt, system)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return Request.chat(msgs)
+        return Request.chat(msgs, think=think)
     if not isinstance(messages, list) or not messages:
         raise UsageError("'messages' must be a non-empty list of {role, content}")
     if system and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
-    return Request.chat(messages)
+    return Request.chat(messages, think=think)
 
 
 def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationParams | None:
@@ -117,8 +120,9 @@ def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationPara
             if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
                 raise UsageError(f"invalid value for stop: {own[name]!r}", "expected a string or a list of strings")
             value = tuple(value)
-        elif value is not None or name not in ("seed", "max_tokens"):
-            want: tuple[type, ...] = (int,) if isinstance(base[name], int) or name in ("seed", "max_tokens") else (int, float)
+        elif value is not None or name not in ("seed", "max_tokens", "think_budget"):
+            want: tuple[type, ...] = (int,) if isinstance(base[name], int) or name in ("seed", "max_tokens", "think_budget") \
+                else (int, float)
             if isinstance(value, bool) or not isinstance(value, want):
                 raise UsageError(f"invalid value for {name}: {value!r}", "expected a number")
         base[name] = value
@@ -129,7 +133,7 @@ _ID_IN_BROKEN_JSON = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
 
 
 def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, system: str | None = None,
-              raw: bool = False) -> BatchRow:
+              raw: bool = False, think: bool | str | None = None) -> BatchRow:
     """Validate one JSON row; a row that cannot run gets an error instead of a request."""
     defaults = defaults or GenerationParams()
     if not isinstance(data, dict):
@@ -145,7 +149,7 @@ def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, sy
     try:
         if row_system is not None and not isinstance(row_system, str):
             raise UsageError("'system' must be a string")
-        request = _request(data.get("prompt"), data.get("messages"), row_system, raw)
+        request = _request(data.get("prompt"), data.get("messages"), row_system, raw, data.get("think", think))
         params = _settings(data, defaults)
     except LocalrunError as e:
         return BatchRow(row_id, line, error=f"line {line}: {e}")
@@ -153,7 +157,7 @@ def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, sy
 
 
 def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, system: str | None = None,
-                raw: bool = False) -> list[BatchRow]:
+                raw: bool = False, think: bool | str | None = None) -> list[BatchRow]:
     """Rows from JSONL or text lines (blank lines skipped; text ids are 1-based line numbers)."""
     rows: list[BatchRow] = []
     for n, line in enumerate(lines, 1):
@@ -161,7 +165,7 @@ def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, syst
         if not text.strip():
             continue
         if fmt == "text":
-            rows.append(BatchRow(n, n, _request(text, None, system, raw)))
+            rows.append(BatchRow(n, n, _request(text, None, system, raw, think)))
             continue
         try:
             data = json.loads(text)
@@ -173,7 +177,7 @@ def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, syst
                 row_id = n
             rows.append(BatchRow(row_id, n, error=f"line {n}: invalid JSON ({e.msg} at column {e.colno})"))
             continue
-        rows.append(parse_row(data, n, defaults, system, raw))
+        rows.append(parse_row(data, n, defaults, system, raw, think))
     seen: dict[str, int] = {}
     for r in rows:
         if r.request is None:
@@ -195,7 +199,8 @@ def input_format(path: str, first_line: str) -> str:
     return "jsonl" if first_line.lstrip().startswith("{") else "text"
 
 
-def read_input(path: str, defaults: GenerationParams, system: str | None = None, raw: bool = False) -> list[BatchRow]:
+def read_input(path: str, defaults: GenerationParams, system: str | None = None, raw: bool = False,
+               think: bool | str | None = None) -> list[BatchRow]:
     """Read and validate every row of an input file ('-' reads stdin)."""
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
@@ -205,7 +210,7 @@ def read_input(path: str, defaults: GenerationParams, system: str | None = None,
         raise UsageError(f"cannot read input file '{path}': {e}") from e
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
-    rows = parse_lines(lines, input_format(path, first), defaults, system, raw)
+    rows = parse_lines(lines, input_format(path, first), defaults, system, raw, think)
     if not rows:
         raise UsageError(f"input file '{path}' has no rows", "write one JSON object or one prompt per line")
     return rows
@@ -405,8 +410,11 @@ def check_output(path: str, resume: bool) -> None:
 def _record(row: RowResult) -> Record:
     if row.error is not None:
         return {"id": row.id, "error": row.error}
-    return {"id": row.id, "text": row.text, "finish_reason": row.finish_reason, "prompt_tokens": row.prompt_tokens,
-            "completion_tokens": row.completion_tokens}
+    out: Record = {"id": row.id, "text": row.text, "finish_reason": row.finish_reason,
+                   "prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens}
+    if row.thinking or row.thinking_tokens:  # a thinking model's thought, apart from its text
+        out["thinking"], out["thinking_tokens"] = row.thinking, row.thinking_tokens
+    return out
 
 
 def run_rows(session: Session, rows: list[BatchRow], params: GenerationParams, cancel: Cancel | None = None,

@@ -14,11 +14,13 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_thinking_flags,
     add_tool_flags,
     int_in,
     load_options_from_args,
     params_from_args,
     target_from_args,
+    think_from_args,
     tool_plan_from_args,
 )
 
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"rows generated at once (default {DEFAULT_PARALLEL})")
     p.add_argument("--raw", action="store_true", help="complete prompts as plain text, without the chat template")
     add_generation_flags(p)
+    add_thinking_flags(p, hide=False)
     add_constraint_flags(p, format_flag=False)
     add_tool_flags(p)
     add_load_flags(p)
@@ -84,7 +87,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     params, options = target.params(params, engine), target.load_options(options, engine)
     fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
-    rows = batching.read_input(args.input, params, args.system, args.raw)
+    rows = batching.read_input(args.input, params, args.system, args.raw, think_from_args(args))
     total = len(rows)
     if args.resume:
         done = batching.finished_ids(args.output, fmt)

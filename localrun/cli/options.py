@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from localrun.tools import ToolPlan
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
-GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens")
+GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens",
+             "think_budget")
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -97,6 +98,29 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", "-n", type=int, help="stop after this many tokens (default: until the model stops)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
     g.add_argument("--system", help="system prompt")
+
+
+def add_thinking_flags(p: argparse.ArgumentParser, hide: bool = True) -> None:
+    """A thinking model's switch, effort and budget (and, for `run`, hiding its thought)."""
+    g = p.add_argument_group("thinking models")
+    g.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn the model's thinking on or off (default: as its chat template does)")
+    g.add_argument("--think-effort", choices=("low", "medium", "high"),
+                   help="how hard the model thinks, where its template takes an effort (gpt-oss)")
+    g.add_argument("--think-budget", type=int_in(0), metavar="N",
+                   help="end the thought after N tokens (the format's closing marker is inserted), then answer")
+    if hide:
+        g.add_argument("--hide-thinking", action="store_true", help="do not print the thought on stderr")
+
+
+def think_from_args(args: argparse.Namespace) -> bool | str | None:
+    """The request's think: an effort, on, off, or None (the template's default)."""
+    from localrun.errors import UsageError
+
+    effort, think = getattr(args, "think_effort", None), getattr(args, "think", None)
+    if effort is not None and think is False:
+        raise UsageError("--think-effort and --no-think cannot be combined", "give one of them")
+    return effort if effort is not None else think
 
 
 def add_constraint_flags(p: argparse.ArgumentParser, format_flag: bool = True) -> None:

@@ -11,10 +11,12 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_thinking_flags,
     add_tool_flags,
     load_options_from_args,
     params_from_args,
     target_from_args,
+    think_from_args,
     tool_plan_from_args,
 )
 
@@ -33,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed on stderr")
     add_generation_flags(p)
     add_constraint_flags(p)
+    add_thinking_flags(p)
     add_tool_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_run)
@@ -41,12 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """Answer PROMPT with MODEL and exit (only the reply goes to stdout), or chat interactively
     when no prompt is given. '-' (or a pipe) reads the prompt from stdin."""
+    import dataclasses
+
     from localrun import api
     from localrun.errors import UsageError
     from localrun.generation import Request
 
     params = params_from_args(args)
     options = load_options_from_args(args)
+    think = think_from_args(args)
     prompt = args.prompt
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         prompt = sys.stdin.read()
@@ -71,6 +77,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
         if plan is not None:
             request, params = plan.request(request.messages), plan.params(params)
+        if not args.raw:
+            request = dataclasses.replace(request, think=think)
         return _answer(session, model.name, request, params, args, plan)
     finally:
         session.close()
@@ -81,20 +89,26 @@ def _answer(session: Session, name: str, request: Request, params: GenerationPar
     from localrun import api
 
     parts: list[str] = []
+    thought = _Thought(args)
     last = None
     out = sys.stdout
     for chunk in api.stream(session, request, params):
         if chunk.done:
             last = chunk
             break
+        thought.feed(chunk.thinking, chunk.text)
         parts.append(chunk.text)
         if not args.json:
             out.write(chunk.text)
             out.flush()
     assert last is not None
+    thought.end()
     text = "".join(parts)
     if args.json:
         record = {"model": name, "text": text, **_stats(last)}
+        if thought.parts or last.thinking_tokens:
+            record["thinking"] = "".join(thought.parts)
+            record["thinking_tokens"] = last.thinking_tokens
         if plan is not None:
             record = plan.record(record)
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -104,6 +118,34 @@ def _answer(session: Session, name: str, request: Request, params: GenerationPar
     if args.verbose:
         _print_stats(last)
     return 130 if last.finish_reason == "cancelled" else 0
+
+
+class _Thought:
+    """A thinking model's thought on stderr (dimmed on a terminal) as it streams, unless hidden or
+    the reply goes out as JSON; kept for --json."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.show = not (getattr(args, "hide_thinking", False) or getattr(args, "json", False))
+        self.dim = sys.stderr.isatty()
+        self.parts: list[str] = []
+        self.open = False
+
+    def feed(self, thinking: str, answer: str) -> None:
+        if thinking:
+            self.parts.append(thinking)
+            if self.show:
+                sys.stderr.write(f"\x1b[2m{thinking}\x1b[0m" if self.dim else thinking)
+                sys.stderr.flush()
+                self.open = True
+        if answer:
+            self.end()
+
+    def end(self) -> None:
+        """The thought is over: its block on stderr ends with a line break."""
+        if self.open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def _stats(chunk: Chunk) -> dict[str, Any]:
@@ -128,6 +170,7 @@ def _print_stats(chunk: Chunk) -> None:
 
 def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves."""
+    import dataclasses
     import threading
 
     from localrun import api
@@ -166,9 +209,10 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             else:
                 print("/clear forgets the conversation, /system TEXT sets the system prompt, /bye leaves", file=err)
             continue
-        request = api.build_messages(text, system, history)
+        request = dataclasses.replace(api.build_messages(text, system, history), think=think_from_args(args))
         cancel = threading.Event()
         parts: list[str] = []
+        thought = _Thought(args)
         last = None
         stream = api.stream(session, request, params, cancel)
         try:
@@ -176,6 +220,7 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
                 if chunk.done:
                     last = chunk
                     break
+                thought.feed(chunk.thinking, chunk.text)
                 parts.append(chunk.text)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -188,6 +233,7 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             sys.stdout.write("\n")
             print("(stopped; this exchange was not kept)", file=err)
             continue
+        thought.end()
         sys.stdout.write("\n")
         if last is not None and last.finish_reason == "cancelled":
             print("(stopped; this exchange was not kept)", file=err)
