@@ -77,6 +77,8 @@ class ReasoningFormat:
     opening: ClassVar[tuple[str, ...]] = ()
     closing: ClassVar[str] = ""
     answer_markers: ClassVar[tuple[str, ...]] = ()
+    # the template variables that turn thinking off, in the order they are looked for
+    switched_by: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, template: str = "") -> None:
         self.template = template
@@ -99,7 +101,7 @@ class ReasoningFormat:
     @property
     def can_switch_off(self) -> bool:
         """Whether the template honours thinking off."""
-        return False
+        return any(reads(self.template, v) for v in self.switched_by)
 
     def starts_inside(self, prompt: str) -> bool:
         """Whether the rendered prompt already opened the thought (the reply starts inside it)."""
@@ -107,7 +109,7 @@ class ReasoningFormat:
 
     def switch(self, think: bool | str | None) -> Switch:
         """The template variables (and system flag) for thinking on, off, or an effort level."""
-        return Switch()
+        return thinking_switch(self.template, think) if self.switched_by else Switch()
 
     def splitter(self, start_inside: bool = False) -> Splitter:
         """An incremental splitter for one reply (start_inside: the prompt opened the thought)."""
@@ -135,7 +137,37 @@ def held(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class MarkerSplitter:
+class SteppingSplitter:
+    """What every splitter shares: a buffer fed in pieces and decided by `_step` (None: wait for
+    more text), and whether a thought was opened and closed."""
+
+    _buf: str
+    _opened: bool
+    _closed: bool
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def feed(self, text: str) -> Split:
+        """The new thinking and answer text that this piece decides."""
+        self._buf += text
+        out = Split()
+        while True:
+            step = self._step()
+            if step is None:
+                return out
+            out += step
+
+    def _step(self) -> Split | None:
+        raise NotImplementedError
+
+
+class MarkerSplitter(SteppingSplitter):
     """Streams a reply of the form [ws] OPEN thought CLOSE [ws] answer.
 
     As llama.cpp's parsers do: a thought is recognised only at the start of the reply, whitespace
@@ -156,24 +188,6 @@ class MarkerSplitter:
     @property
     def in_thought(self) -> bool:
         return self._phase == "thought"
-
-    @property
-    def opened(self) -> bool:
-        return self._opened
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def feed(self, text: str) -> Split:
-        """The new thinking and answer text that this piece decides."""
-        self._buf += text
-        out = Split()
-        while True:
-            step = self._step()
-            if step is None:
-                return out
-            out += step
 
     def flush(self) -> Split:
         """The end of the reply: everything held is given out (a cut thought stays thinking)."""

@@ -7,11 +7,8 @@ from typing import ClassVar
 from localrun.reasoning.base import (
     HasToken,
     ReasoningFormat,
-    Switch,
     no_token,
-    reads,
     register,
-    thinking_switch,
 )
 
 
@@ -21,6 +18,7 @@ class CommandR(ReasoningFormat):
 
     name: ClassVar[str] = "command-r"
     opening: ClassVar[tuple[str, ...]] = ("<|START_THINKING|>",)
+    switched_by: ClassVar[tuple[str, ...]] = ("enable_thinking", "thinking")
     closing: ClassVar[str] = "<|END_THINKING|>"
     answer_markers: ClassVar[tuple[str, ...]] = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
 
@@ -31,10 +29,3 @@ class CommandR(ReasoningFormat):
     @property
     def closing_text(self) -> str:
         return self.closing
-
-    @property
-    def can_switch_off(self) -> bool:
-        return reads(self.template, "enable_thinking") or reads(self.template, "thinking")
-
-    def switch(self, think: bool | str | None) -> Switch:
-        return thinking_switch(self.template, think)

@@ -8,11 +8,8 @@ from typing import ClassVar
 from localrun.reasoning.base import (
     HasToken,
     ReasoningFormat,
-    Switch,
     no_token,
-    reads,
     register,
-    thinking_switch,
 )
 
 
@@ -22,6 +19,7 @@ class Granite(ReasoningFormat):
 
     name: ClassVar[str] = "granite"
     opening: ClassVar[tuple[str, ...]] = ("<think>",)
+    switched_by: ClassVar[tuple[str, ...]] = ("thinking",)
     closing: ClassVar[str] = "</think>"
     answer_markers: ClassVar[tuple[str, ...]] = ("<response>", "</response>")
 
@@ -32,10 +30,3 @@ class Granite(ReasoningFormat):
     @property
     def closing_text(self) -> str:
         return "</think><response>"
-
-    @property
-    def can_switch_off(self) -> bool:
-        return reads(self.template, "thinking")
-
-    def switch(self, think: bool | str | None) -> Switch:
-        return thinking_switch(self.template, think)

@@ -16,6 +16,7 @@ from localrun.reasoning.base import (
     ReasoningFormat,
     Split,
     Splitter,
+    SteppingSplitter,
     Switch,
     held,
     no_token,
@@ -61,7 +62,7 @@ class Harmony(ReasoningFormat):
         return HarmonySplitter(start_inside)
 
 
-class HarmonySplitter:
+class HarmonySplitter(SteppingSplitter):
     """Streams a harmony reply: headers are held until `<|message|>`, bodies until a possible end
     marker is decided; text that starts with no header at all is plain answer."""
 
@@ -76,24 +77,6 @@ class HarmonySplitter:
     @property
     def in_thought(self) -> bool:
         return self._state == "body" and self._kind == "thinking"
-
-    @property
-    def opened(self) -> bool:
-        return self._opened
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def feed(self, text: str) -> Split:
-        """The new thinking, answer and call text that this piece decides."""
-        self._buf += text
-        out = Split()
-        while True:
-            step = self._step()
-            if step is None:
-                return out
-            out += step
 
     def flush(self) -> Split:
         """The end of the reply: a cut body is given out as its channel's text; a cut header is dropped."""

@@ -10,7 +10,6 @@ from localrun.reasoning.base import (
     ReasoningFormat,
     Switch,
     no_token,
-    reads,
     register,
     thinking_switch,
 )
@@ -22,16 +21,13 @@ class ThinkTags(ReasoningFormat):
 
     name: ClassVar[str] = "think"
     opening: ClassVar[tuple[str, ...]] = ("<think>",)
+    switched_by: ClassVar[tuple[str, ...]] = ("enable_thinking", "thinking")
     closing: ClassVar[str] = "</think>"
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
         # "</think>" alone is a template that only strips thoughts out of history
         return "</think>" in template and ("<think>" in template or has_token("<think>"))
-
-    @property
-    def can_switch_off(self) -> bool:
-        return reads(self.template, "enable_thinking") or reads(self.template, "thinking")
 
     def switch(self, think: bool | str | None) -> Switch:
         out = thinking_switch(self.template, think)
