@@ -1,7 +1,8 @@
 """Chat conversations persisted in SQLite under the data directory.
 
 A turn is stored only when its reply is complete: the user message and the assistant reply are
-written in one transaction, so a cancelled or failed reply leaves nothing half-written.
+written in one transaction, so a cancelled or failed reply leaves nothing half-written. A thinking
+model's thought is stored apart from its answer (the `thinking` column), never sent back as content.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ CREATE TABLE IF NOT EXISTS messages (
     role TEXT NOT NULL,
     content TEXT NOT NULL,
     stats TEXT NOT NULL DEFAULT '{}',
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    thinking TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
@@ -55,6 +57,11 @@ class Turn:
     role: str
     content: str
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
+    thinking: str = ""  # an assistant turn's thought, apart from its answer (content)
+
+    def thought_title(self) -> str:
+        """'Thought for 3.2 s · 41 tokens', from the turn's stats (what of it is known)."""
+        return thought_title(self.stats.get("thinking_seconds"), self.stats.get("thinking_tokens"))
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,15 @@ class Conversation:
     output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec) of params.grammar
 
     def history(self) -> list[dict[str, str]]:
-        """The messages in the shape `api.build_messages` takes."""
+        """The messages in the shape `api.build_messages` takes; earlier thoughts are not sent back
+        (the thinking templates drop them from earlier turns)."""
         return [{"role": t.role, "content": t.content} for t in self.turns]
+
+
+def thought_title(seconds: float | None, tokens: int | None) -> str:
+    """The title of a thought's block: 'Thought for 3.2 s · 41 tokens' (parts not known left out)."""
+    title = f"Thought for {seconds:.1f} s" if seconds is not None else "Thought"
+    return f"{title} · {tokens} token{'' if tokens == 1 else 's'}" if tokens is not None else title
 
 
 def default_path() -> Path:
@@ -121,6 +135,9 @@ class ConversationStore:
             self._restore(problem)
         with self._connect() as db:
             db.executescript(_SCHEMA)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+            if "thinking" not in columns:  # a history from before thinking models
+                db.execute("ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''")
         self._keep_copy()
 
     def _restore(self, problem: str) -> None:
@@ -195,13 +212,14 @@ class ConversationStore:
             if row is None:
                 raise KeyError(cid)
             msgs = db.execute(
-                "SELECT role, content, stats FROM messages WHERE conversation_id = ? ORDER BY id", (cid,)
+                "SELECT role, content, stats, thinking FROM messages WHERE conversation_id = ? ORDER BY id", (cid,)
             ).fetchall()
-        turns = tuple(Turn(r[0], r[1], json.loads(r[2] or "{}")) for r in msgs)
+        turns = tuple(Turn(r[0], r[1], json.loads(r[2] or "{}"), r[3] or "") for r in msgs)
         return _conversation(row, turns, len(turns))
 
-    def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None) -> Conversation:
-        """Store a complete exchange (prompt and reply) atomically; the first one titles the chat."""
+    def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None,
+                     thinking: str = "") -> Conversation:
+        """Store a complete exchange (prompt, and reply with its thought) atomically; the first one titles the chat."""
         now = time.time()
         with self._connect() as db:
             n = db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0]
@@ -210,16 +228,18 @@ class ConversationStore:
                 (cid, user, now),
             )
             db.execute(
-                "INSERT INTO messages (conversation_id, role, content, stats, created) VALUES (?, 'assistant', ?, ?, ?)",
-                (cid, reply, json.dumps(stats or {}), now),
+                "INSERT INTO messages (conversation_id, role, content, stats, created, thinking) "
+                "VALUES (?, 'assistant', ?, ?, ?, ?)",
+                (cid, reply, json.dumps(stats or {}), now, thinking),
             )
             if n == 0:
                 db.execute("UPDATE conversations SET title = ? WHERE id = ?", (_title(user), cid))
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, cid))
         return self.get(cid)
 
-    def replace_last_reply(self, cid: int, reply: str, stats: dict[str, Any] | None = None) -> Conversation:
-        """Swap the last assistant reply for a regenerated one."""
+    def replace_last_reply(self, cid: int, reply: str, stats: dict[str, Any] | None = None,
+                           thinking: str = "") -> Conversation:
+        """Swap the last assistant reply (and its thought) for a regenerated one."""
         with self._connect() as db:
             row = db.execute(
                 "SELECT id FROM messages WHERE conversation_id = ? AND role = 'assistant' ORDER BY id DESC LIMIT 1",
@@ -227,7 +247,8 @@ class ConversationStore:
             ).fetchone()
             if row is None:
                 raise KeyError(cid)
-            db.execute("UPDATE messages SET content = ?, stats = ? WHERE id = ?", (reply, json.dumps(stats or {}), row[0]))
+            db.execute("UPDATE messages SET content = ?, stats = ?, thinking = ? WHERE id = ?",
+                       (reply, json.dumps(stats or {}), thinking, row[0]))
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
         return self.get(cid)
 
@@ -250,14 +271,31 @@ class ConversationStore:
             db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
 
     def export_markdown(self, cid: int) -> str:
-        """The conversation as a Markdown document."""
+        """The conversation as a Markdown document; a thought is a collapsed <details> block before its answer."""
         conv = self.get(cid)
         lines = [f"# {conv.title}", "", f"Model: `{conv.model}`", ""]
         if conv.system:
             lines += ["## System", "", conv.system, ""]
         for t in conv.turns:
-            lines += [f"## {'You' if t.role == 'user' else 'Assistant'}", "", t.content, ""]
+            lines += [f"## {'You' if t.role == 'user' else 'Assistant'}", ""]
+            if t.thinking:
+                lines += ["<details>", f"<summary>{t.thought_title()}</summary>", "", t.thinking.strip(), "",
+                          "</details>", ""]
+            lines += [t.content, ""]
         return "\n".join(lines)
+
+    def export_json(self, cid: int) -> dict[str, Any]:
+        """The conversation as JSON: its settings and each message, a thought in its `thinking` field."""
+        conv = self.get(cid)
+        messages: list[dict[str, Any]] = []
+        for t in conv.turns:
+            m: dict[str, Any] = {"role": t.role, "content": t.content}
+            if t.thinking:
+                m["thinking"] = t.thinking
+            if t.stats:
+                m["stats"] = t.stats
+            messages.append(m)
+        return {"title": conv.title, "model": conv.model, "system": conv.system, "messages": messages}
 
 
 def _damage(path: Path, empty_is_damage: bool = False) -> str | None:

@@ -94,3 +94,46 @@ def test_export_markdown_and_delete(tmp_path: Path) -> None:
     assert "## System\n\nBe kind." in md and "## You\n\nSay hi" in md and "print('hi')" in md
     store.delete(c.id)
     assert store.list() == []
+
+
+def test_a_thought_is_stored_apart_and_exported_with_its_answer(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path / "c.sqlite3")
+    c = store.create("r1:tiny")
+    stats = {"completion_tokens": 9, "thinking_tokens": 6, "thinking_seconds": 3.21}
+    store.add_exchange(c.id, "Why is the sky blue?", "Rayleigh scattering.", stats, "Light scatters\nby air.")
+    turns = ConversationStore(tmp_path / "c.sqlite3").get(c.id).turns
+    assert (turns[0].thinking, turns[1].thinking) == ("", "Light scatters\nby air.")
+    assert turns[1].content == "Rayleigh scattering." and turns[1].thought_title() == "Thought for 3.2 s · 6 tokens"
+    # The thought never goes back to the model as content.
+    assert store.get(c.id).history()[1] == {"role": "assistant", "content": "Rayleigh scattering."}
+    md = store.export_markdown(c.id)
+    assert ("## Assistant\n\n<details>\n<summary>Thought for 3.2 s · 6 tokens</summary>\n\nLight scatters\nby air.\n\n"
+            "</details>\n\nRayleigh scattering.\n") in md
+    data = store.export_json(c.id)
+    assert data["messages"][1] == {"role": "assistant", "content": "Rayleigh scattering.",
+                                   "thinking": "Light scatters\nby air.", "stats": stats}
+    assert "thinking" not in data["messages"][0]
+    # A regenerated reply replaces the thought with its own (none, here).
+    again = store.replace_last_reply(c.id, "Blue light scatters most.", {})
+    assert again.turns[1].thinking == "" and "<details>" not in store.export_markdown(c.id)
+
+
+def test_a_history_from_before_thoughts_loads_and_takes_them(tmp_path: Path) -> None:
+    path = tmp_path / "c.sqlite3"
+    with closing(sqlite3.connect(path)) as db, db:  # the schema as it was before the thinking column
+        db.executescript(
+            "CREATE TABLE conversations (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL, model TEXT NOT NULL,"
+            " system TEXT NOT NULL DEFAULT '', params TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL,"
+            " updated REAL NOT NULL);"
+            "CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id INTEGER NOT NULL"
+            " REFERENCES conversations(id) ON DELETE CASCADE, role TEXT NOT NULL, content TEXT NOT NULL,"
+            " stats TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL);"
+            "INSERT INTO conversations VALUES (1, 'hi', 'smollm2:135m', '', '{}', 1.0, 1.0);"
+            "INSERT INTO messages VALUES (1, 1, 'user', 'hi', '{}', 1.0), (2, 1, 'assistant', 'hello', '{}', 1.0);"
+        )
+    store = ConversationStore(path)
+    old = store.get(1)
+    assert [(t.role, t.content, t.thinking) for t in old.turns] == [("user", "hi", ""), ("assistant", "hello", "")]
+    assert [c.id for c in store.list()] == [1]
+    store.add_exchange(1, "and?", "more", {"thinking_tokens": 2}, "hmm")
+    assert ConversationStore(path).get(1).turns[3].thinking == "hmm"
