@@ -427,7 +427,18 @@ class MLXEngine:
         return self._encode(text, add_special=False, parse_special=True)
 
     def force(self, slot: int, tokens: list[int]) -> None:
-        self.forced[slot][:] = tokens
+        """BatchGenerator samples a sequence's next token while handing out the current one: once
+        the sequence generates, that token, sampled before the force, is replaced by the first
+        forced one (it is what the next step feeds the model), and the rest are queued."""
+        queue = list(tokens)
+        batch = getattr(self.gen, "_generation_batch", None)
+        uid = self.slot_uid[slot]
+        if queue and batch is not None and uid in batch.uids and batch._next_tokens is not None:
+            mx = self.mx
+            ahead = batch._next_tokens
+            picked = mx.arange(ahead.shape[0]) == batch.uids.index(uid)
+            batch._next_tokens = mx.where(picked, mx.array(queue.pop(0), dtype=ahead.dtype), ahead)
+        self.forced[slot][:] = queue
 
     def detokenizer(self, special: bool = False) -> _Detok:
         return _Detok(self.tokenizer)
