@@ -16,22 +16,28 @@ class ModelsChanged(Message):
 
 
 class ReplyText(Message):
-    """Streamed text of the reply in progress (several tokens coalesced)."""
+    """Streamed text of the reply in progress (several tokens coalesced): answer text, and a
+    thinking model's thought with its pieces and seconds so far."""
 
-    def __init__(self, generation: int, text: str) -> None:
+    def __init__(self, generation: int, text: str, thinking: str = "", thinking_pieces: int = 0,
+                 thinking_seconds: float = 0.0) -> None:
         super().__init__()
         self.generation = generation
         self.text = text
+        self.thinking = thinking
+        self.thinking_pieces = thinking_pieces
+        self.thinking_seconds = thinking_seconds
 
 
 class ReplyDone(Message):
-    """The reply ended: its full text and the final chunk's statistics."""
+    """The reply ended: its full text and thought, and the final chunk's statistics."""
 
-    def __init__(self, generation: int, text: str, stats: dict[str, Any]) -> None:
+    def __init__(self, generation: int, text: str, stats: dict[str, Any], thinking: str = "") -> None:
         super().__init__()
         self.generation = generation
         self.text = text
         self.stats = stats
+        self.thinking = thinking
 
 
 class ReplyFailed(Message):

@@ -1,9 +1,12 @@
-"""The Chat: streamed Markdown replies, stop, regenerate, settings, saved conversations."""
+"""The Chat: streamed Markdown replies (a thinking model's thought in a block above), stop,
+regenerate, settings, saved conversations."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from textual import on, work
@@ -17,10 +20,10 @@ from textual.widgets.markdown import MarkdownStream
 from localrun import api
 from localrun.errors import EngineCrashedError, LocalrunError
 from localrun.generation import GenerationParams
-from tui.conversations import Conversation
+from tui.conversations import Conversation, Turn
 from tui.messages import ReplyDone, ReplyFailed, ReplyText
 from tui.screens.dialogs import ChatSettings, ConversationsScreen, SettingsScreen, output_label
-from tui.widgets.chat import AssistantMessage, StatusBar, UserMessage
+from tui.widgets.chat import AssistantMessage, StatusBar, ThinkingBlock, UserMessage
 from tui.widgets.navbar import NavBar
 
 # Streamed text reaches the UI at most this often: on 2 cores each Markdown update takes CPU
@@ -38,6 +41,7 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+n", "new", "New"),
+        Binding("ctrl+g", "thought", "Thought", show=False),
         # priority: the prompt (an Input) would take ctrl+e as "end of line" otherwise
         Binding("ctrl+e", "export", "Export", show=False, priority=True),
     ]
@@ -50,6 +54,7 @@ class ChatScreen(Screen[None]):
         self.cancel = threading.Event()
         self._stream: MarkdownStream | None = None
         self._reply_widget: AssistantMessage | None = None
+        self._thought_widget: ThinkingBlock | None = None
         self._user_widget: UserMessage | None = None
         self._pending_prompt = ""
         self._regenerating = False
@@ -95,7 +100,7 @@ class ChatScreen(Screen[None]):
         await box.remove_children()
         widgets: list[Any] = []
         for turn in conv.turns:
-            widgets.append(UserMessage(turn.content) if turn.role == "user" else AssistantMessage(turn.content))
+            widgets.extend([UserMessage(turn.content)] if turn.role == "user" else _reply_widgets(turn))
         if widgets:
             await box.mount_all(widgets)
         box.scroll_end(animate=False)
@@ -140,6 +145,7 @@ class ChatScreen(Screen[None]):
         await box.mount(self._reply_widget)
         box.scroll_end(animate=False)
         self._stream = Markdown.get_stream(self._reply_widget)
+        self._thought_widget = None
         self._pending_prompt = prompt
         self._regenerating = regenerate
         self.generation += 1
@@ -153,11 +159,19 @@ class ChatScreen(Screen[None]):
     @work(thread=True, group="generate")
     def _generate(self, generation: int, model: str, prompt: str, system: str, history: list[dict[str, str]],
                   params: GenerationParams, cancel: threading.Event) -> None:
-        """The engine's token loop, off the UI thread; text is posted in coalesced pieces."""
+        """The engine's token loop, off the UI thread; text and thought are posted in coalesced pieces."""
         models: Any = self.app.models  # type: ignore[attr-defined]
         parts: list[str] = []
         pending: list[str] = []
+        thought = _ThoughtClock()
         last_post = time.monotonic()
+
+        def post() -> None:
+            if pending or thought.pending:
+                self.post_message(ReplyText(generation, "".join(pending), "".join(thought.pending),
+                                            len(thought.parts), thought.seconds()))
+                pending.clear()
+                thought.pending.clear()
         loaded = model
         try:
             target = api.resolve_target(model)  # a model, an adapter, or base+adapter
@@ -167,19 +181,22 @@ class ChatScreen(Screen[None]):
                 request = api.build_messages(prompt, system or None, history)
                 for chunk in api.stream(session, request, target.params(params, engine), cancel):
                     if chunk.done:
-                        if pending:
-                            self.post_message(ReplyText(generation, "".join(pending)))
+                        thought.end()
+                        post()
                         stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                                  "completion_tokens": chunk.completion_tokens,
                                  "tokens_per_second": round(chunk.tokens_per_second, 2)}
-                        self.post_message(ReplyDone(generation, "".join(parts), stats))
+                        if thought.parts or chunk.thinking_tokens:
+                            stats["thinking_tokens"] = chunk.thinking_tokens
+                            stats["thinking_seconds"] = round(thought.seconds(), 2)
+                        self.post_message(ReplyDone(generation, "".join(parts), stats, "".join(thought.parts)))
                         return
+                    thought.feed(chunk.thinking, chunk.text)
                     parts.append(chunk.text)
                     pending.append(chunk.text)
                     now = time.monotonic()
                     if now - last_post >= FLUSH_INTERVAL_S:
-                        self.post_message(ReplyText(generation, "".join(pending)))
-                        pending.clear()
+                        post()
                         last_post = now
             self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
         except EngineCrashedError as e:
@@ -199,8 +216,26 @@ class ChatScreen(Screen[None]):
         if message.generation != self.generation or self._stream is None:
             return
         self.stream_updates += 1
-        await self._stream.write(message.text)
+        if message.thinking:
+            block = await self._thought_block()
+            block.append(message.thinking)
+            block.progress(message.thinking_seconds, message.thinking_pieces)
+        if message.text:
+            if self._thought_widget is not None and not self._thought_widget.collapsed:
+                # The answer started: the thought folds away above it.
+                self._thought_widget.finish(message.thinking_seconds, message.thinking_pieces)
+                self._thought_widget.collapsed = True
+            await self._stream.write(message.text)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def _thought_block(self) -> ThinkingBlock:
+        """The reply's thinking block, mounted above the answer when the first thought arrives."""
+        if self._thought_widget is None:
+            self._thought_widget = ThinkingBlock()
+            await self.query_one("#messages", VerticalScroll).mount(self._thought_widget, before=self._reply_widget)
+            if self._reply_widget is not None:
+                self._reply_widget.thought = self._thought_widget
+        return self._thought_widget
 
     async def _finish_stream(self) -> None:
         if self._stream is not None:
@@ -219,12 +254,17 @@ class ChatScreen(Screen[None]):
         assert self.conversation is not None
         store: Any = self.app.conversations  # type: ignore[attr-defined]
         if self._regenerating:
-            self.conversation = store.replace_last_reply(self.conversation.id, message.text, stats)
+            self.conversation = store.replace_last_reply(self.conversation.id, message.text, stats, message.thinking)
         else:
-            self.conversation = store.add_exchange(self.conversation.id, self._pending_prompt, message.text, stats)
+            self.conversation = store.add_exchange(self.conversation.id, self._pending_prompt, message.text, stats,
+                                                   message.thinking)
         if self._reply_widget is not None:
             self._reply_widget.text = message.text
-        self._user_widget = self._reply_widget = None
+        if self._thought_widget is not None:
+            self._thought_widget.finish(stats.get("thinking_seconds"), stats.get("thinking_tokens"))
+            # A reply that is all thought (cut inside it) keeps it open: there is nothing else to read.
+            self._thought_widget.collapsed = bool(message.text.strip())
+        self._user_widget = self._reply_widget = self._thought_widget = None
         assert self.conversation is not None
         self.sub_title = self.conversation.title
         self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
@@ -241,18 +281,20 @@ class ChatScreen(Screen[None]):
 
     async def _discard(self, note: str, error: bool = False) -> None:
         """Remove the unfinished exchange from the view; the stored conversation never had it."""
+        if self._thought_widget is not None:
+            await self._thought_widget.remove()
         if self._reply_widget is not None:
             await self._reply_widget.remove()
         if self._regenerating and self.conversation is not None:
             last = next((t for t in reversed(self.conversation.turns) if t.role == "assistant"), None)
             if last is not None:  # put the kept reply back
-                await self.query_one("#messages", VerticalScroll).mount(AssistantMessage(last.content))
+                await self.query_one("#messages", VerticalScroll).mount_all(_reply_widgets(last))
         elif self._user_widget is not None:
             await self._user_widget.remove()
             prompt = self.query_one("#prompt", Input)
             if not prompt.value:
                 prompt.value = self._pending_prompt  # give the prompt back to edit or resend
-        self._user_widget = self._reply_widget = None
+        self._user_widget = self._reply_widget = self._thought_widget = None
         self.status.show(state="ready" if not error else "error")
         self.notify(note, severity="error" if error else "information", timeout=10 if error else 4)
 
@@ -271,7 +313,10 @@ class ChatScreen(Screen[None]):
             return
         replies = self.query(AssistantMessage)
         if replies:
-            await replies.last().remove()
+            last = replies.last()
+            if last.thought is not None:
+                await last.thought.remove()
+            await last.remove()
         await self._start(conv.turns[-2].content, conv.history()[:-2], regenerate=True)
 
     def last_reply(self) -> str | None:
@@ -287,6 +332,17 @@ class ChatScreen(Screen[None]):
             return
         self.app.copy_to_clipboard(text)
         self.notify("Copied the last reply")
+
+    def action_thought(self) -> None:
+        """Open or fold the last reply's thought."""
+        blocks = self.query(ThinkingBlock)
+        if not blocks:
+            self.notify("No thought to show: the model did not think", severity="warning")
+            return
+        block = blocks.last()
+        block.collapsed = not block.collapsed
+        if not block.collapsed:
+            block.scroll_visible(animate=False)
 
     def action_settings(self) -> None:
         conv = self.conversation
@@ -327,12 +383,58 @@ class ChatScreen(Screen[None]):
             return
         from localrun.store import home
 
+        store: Any = self.app.conversations  # type: ignore[attr-defined]
         out = home() / "exports" / f"conversation-{conv.id}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".md.tmp")
-        tmp.write_text(self.app.conversations.export_markdown(conv.id), encoding="utf-8")  # type: ignore[attr-defined]
-        tmp.replace(out)
-        self.notify(f"Exported to {out}")
+        # Markdown to read (thoughts in collapsed <details>), JSON to process (a thinking field per reply).
+        _write(out, store.export_markdown(conv.id))
+        _write(out.with_suffix(".json"), json.dumps(store.export_json(conv.id), ensure_ascii=False, indent=2) + "\n")
+        self.notify(f"Exported to {out} (and {out.with_suffix('.json').name} beside it)")
+
+
+class _ThoughtClock:
+    """A streaming reply's thought: its pieces, those not yet posted, and how long it took (from
+    its first piece to the answer's first, or to the end of a reply that never answered)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.pending: list[str] = []
+        self.start: float | None = None
+        self.stop: float | None = None
+
+    def feed(self, thinking: str, answer: str) -> None:
+        if thinking:
+            if self.start is None:
+                self.start = time.monotonic()
+            self.parts.append(thinking)
+            self.pending.append(thinking)
+        if answer:
+            self.end()
+
+    def end(self) -> None:
+        if self.start is not None and self.stop is None:
+            self.stop = time.monotonic()
+
+    def seconds(self) -> float:
+        if self.start is None:
+            return 0.0
+        return (self.stop if self.stop is not None else time.monotonic()) - self.start
+
+
+def _reply_widgets(turn: Turn) -> list[Any]:
+    """A stored reply's widgets: its thought (collapsed) above its answer, when it has one."""
+    reply = AssistantMessage(turn.content)
+    if not turn.thinking:
+        return [reply]
+    reply.thought = ThinkingBlock(turn.thinking, turn.thought_title(), collapsed=True)
+    return [reply.thought, reply]
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a file under a temporary name and rename it over the old one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
 
 
 def _loaded_model(app: Any, model: str) -> Any:

@@ -1,10 +1,12 @@
-"""The pieces of the chat screen: messages and the status bar."""
+"""The pieces of the chat screen: messages, a thinking model's thought, and the status bar."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
+
+from tui.conversations import thought_title
 
 
 class UserMessage(Static):
@@ -21,6 +23,30 @@ class AssistantMessage(Markdown):
     def __init__(self, text: str = "") -> None:
         super().__init__(text, classes="message assistant")
         self.text = text
+        self.thought: ThinkingBlock | None = None  # the block above it, when the model thought first
+
+
+class ThinkingBlock(Collapsible):
+    """A thinking model's thought, above its answer: open while it streams, titled with its time and
+    tokens, collapsed once the answer starts (the title, Enter or Ctrl+G opens it again)."""
+
+    def __init__(self, thinking: str = "", title: str = "Thinking…", collapsed: bool = False) -> None:
+        self.thought = Static(thinking, markup=False, classes="thought")
+        super().__init__(self.thought, title=title, collapsed=collapsed, classes="message thinking")
+        self.thinking = thinking
+
+    def append(self, text: str) -> None:
+        """More of the thought, as it streams."""
+        self.thinking += text
+        self.thought.update(self.thinking)
+
+    def progress(self, seconds: float, tokens: int) -> None:
+        """The title while the model is still thinking."""
+        self.title = f"Thinking… {thought_title(seconds, tokens).removeprefix('Thought for ')}"
+
+    def finish(self, seconds: float | None, tokens: int | None) -> None:
+        """The thought is over: its final title."""
+        self.title = thought_title(seconds, tokens)
 
 
 class StatusBar(Static):
