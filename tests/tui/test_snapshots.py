@@ -98,6 +98,28 @@ def test_chat(snap_compare: Any, make_app: Any) -> None:
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=open_saved_chat)
 
 
+def test_chat_thinking(snap_compare: Any, make_app: Any) -> None:
+    """A thinking model's replies: the thought folded above the first answer, opened above the second."""
+
+    async def before(pilot: Any) -> None:
+        store = pilot.app.conversations
+        conv = store.create("smollm2:135m")
+        store.add_exchange(conv.id, "What is the opposite of hot?", "The opposite of **hot** is *cold*.",
+                           {"thinking_tokens": 41, "thinking_seconds": 3.24},
+                           "Opposites of temperature words: hot and cold.")
+        store.add_exchange(conv.id, "And of up?", "*Down*.", {"thinking_tokens": 1, "thinking_seconds": 0.4},
+                           "Up goes with down.")
+        await pilot.press("f4")
+        chat = pilot.app.mode_screens["chat"]
+        assert isinstance(chat, ChatScreen)
+        await chat.open_conversation(conv.id)
+        await wait_for(pilot, lambda: len(chat.query("ThinkingBlock")) == 2, "the thoughts")
+        await pilot.press("ctrl+g")
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
 def test_chat_settings(snap_compare: Any, make_app: Any) -> None:
     async def before(pilot: Any) -> None:
         await open_saved_chat(pilot)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.widgets import Input
 
 from localrun import api
 from localrun.generation import GenerationParams
@@ -50,7 +51,7 @@ async def _flow(make_app: Any) -> None:
         screen = chat(app)
         await wait_for(pilot, lambda: screen.query_one("#prompt").has_focus, "the prompt to take the keys")
         before = screen.generation
-        screen.query_one("#prompt").value = "Why is the sky blue?"
+        screen.query_one("#prompt", Input).value = "Why is the sky blue?"
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.generation > before and not screen.generating, "the reply")
         assert not [m for sev, m in app.notices if sev == "error"], app.notices
