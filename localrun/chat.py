@@ -6,7 +6,7 @@ import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -24,7 +24,8 @@ class Message:
 
     An assistant turn may carry tool calls ({"id", "type": "function", "function": {"name",
     "arguments": dict}}), and a tool turn the id and name of the call it answers: the shape chat
-    templates read, as transformers passes it.
+    templates read, as transformers passes it. An assistant turn may keep its thought apart from
+    its answer (`thinking`); a template gets it under the field its reasoning format names.
     """
 
     role: str
@@ -32,8 +33,10 @@ class Message:
     tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     tool_call_id: str | None = None
     name: str | None = None
+    thinking: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, thinking_as: str | None = "thinking") -> dict[str, Any]:
+        """The message as a dict; its thought under `thinking_as` (None: left out)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [dict(c) for c in self.tool_calls]
@@ -41,6 +44,8 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.thinking and thinking_as:
+            out[thinking_as] = self.thinking
         return out
 
 
@@ -88,8 +93,21 @@ def parse_messages(raw: Any) -> list[Message]:
         calls = tuple(_tool_call(i, j, c) for j, c in enumerate(raw_calls))
         call_id, name = m.get("tool_call_id"), m.get("name") or m.get("tool_name")
         out.append(Message(str(role), content, calls, None if call_id is None else str(call_id),
-                           None if name is None else str(name)))
+                           None if name is None else str(name), _thinking(i, m)))
     return out
+
+
+def _thinking(i: int, m: Mapping[str, Any]) -> str:
+    """An assistant turn's thought: Ollama's `thinking` or OpenAI's (llama-server's, vLLM's)
+    `reasoning_content`; other roles have none."""
+    value = m.get("thinking")
+    if value is None:
+        value = m.get("reasoning_content")
+    if value is None or m.get("role") != "assistant":
+        return ""
+    if not isinstance(value, str):
+        raise UsageError(f"message {i}: thinking must be a string")
+    return value
 
 
 def _raise_exception(message: str) -> None:
@@ -206,9 +224,11 @@ def render_template(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    history_field: str | None = None,
     **extra: Any,
 ) -> str:
-    """Render a chat template in jinja2's immutable sandbox.
+    """Render a chat template in jinja2's immutable sandbox. Assistant turns' thoughts go in
+    `history_field` (the reasoning format's, e.g. reasoning_content), or are dropped (None).
 
     Raises BadModelFileError when the template is broken or tries to reach Python internals.
     """
@@ -217,8 +237,8 @@ def render_template(
 
     from jinja2.exceptions import SecurityError, TemplateError
 
-    data = [m.to_dict() for m in messages]
-    size = sum(len(m.content) for m in messages) + (len(json.dumps(extra, default=str)) if extra else 0)
+    data = [m.to_dict(history_field) for m in messages]
+    size = sum(len(m.content) + len(m.thinking) for m in messages) + (len(json.dumps(extra, default=str)) if extra else 0)
     limit = max(TEMPLATE_MIN_OUTPUT, TEMPLATE_OUTPUT_FACTOR * size)
     previous = sys.gettrace()
     try:
@@ -263,8 +283,7 @@ def thinking_inputs(messages: Sequence[Message], variables: Mapping[str, Any], s
     if system_flag:
         if out and out[0].role == "system":
             first = out[0]
-            out[0] = Message("system", f"{first.content.rstrip()} {system_flag}".lstrip(), first.tool_calls,
-                             first.tool_call_id, first.name)
+            out[0] = replace(first, content=f"{first.content.rstrip()} {system_flag}".lstrip())
         else:
             out.insert(0, Message("system", system_flag))
     return out, {**variables, **template_kwargs}

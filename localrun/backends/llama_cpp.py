@@ -306,8 +306,9 @@ class LlamaCppEngine:
             sw = self.reasoning.switch(request.think) if self.reasoning is not None else None
             messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
                                                sw.system_flag if sw else None, request.template_kwargs)
-            text = render_template(self._template, messages, bos_token=bos_text,
-                                   eos_token=self.token_text(self.eos), **{**request.template_extras(), **extras})
+            text = render_template(self._template, messages, bos_token=bos_text, eos_token=self.token_text(self.eos),
+                                   history_field=self.reasoning.history_field if self.reasoning is not None else None,
+                                   **{**request.template_extras(), **extras})
         else:
             text = render_plain(request.messages)
             stops.extend(PLAIN_STOPS)

@@ -409,6 +409,7 @@ class MLXEngine:
             messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
                                                sw.system_flag if sw else None, request.template_kwargs)
             text = render_template(self.template, messages, bos_token=bos, eos_token=tok.eos_token or "",
+                                   history_field=self.reasoning.history_field if self.reasoning is not None else None,
                                    **{**request.template_extras(), **extras})
         elif getattr(tok, "_chat_template", None) is not None:
             # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).

@@ -244,6 +244,8 @@ def _message(m: Any) -> dict[str, Any]:
         out["tool_calls"] = m.tool_calls
     if m.tool_name:
         out["name"] = m.tool_name
+    if m.thinking:
+        out["thinking"] = m.thinking
     return out
 
 

@@ -84,6 +84,8 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None and out["role"] == "tool":
         out["name"] = message.name
+    if message.reasoning_content:
+        out["reasoning_content"] = message.reasoning_content
     return out
 
 

@@ -77,6 +77,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's thought, as llama-server and vLLM take it
 
 
 class StreamOptions(_Body):

@@ -123,3 +123,15 @@ def test_a_prompt_that_opens_the_thought_streams_thinking_first(r1: InProcess, b
     assert answer and "</think>" not in answer
     cut, thinking, answer = run(r1, ask(), max_tokens=8, **SAMPLED)
     assert cut[-1].finish_reason == "length" and thinking and answer == "" and cut[-1].thinking_tokens == 8
+
+
+def test_an_earlier_call_s_thought_reaches_the_template(qwen3: InProcess) -> None:
+    # Qwen3's template reads reasoning_content: a call still being answered keeps its thought.
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    calling = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "thinking": "CALL-THOUGHT", "tool_calls": [call]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
+    assert "<think>\nCALL-THOUGHT\n</think>" in prompt(qwen3, Request.chat(calling))
+    done = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "thinking": "EARLIER"},
+            {"role": "user", "content": "Again"}]
+    assert "EARLIER" not in prompt(qwen3, Request.chat(done))
