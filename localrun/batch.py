@@ -16,7 +16,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -26,7 +26,8 @@ from localrun.generation import GenerationParams, Request
 from localrun.system import disk_full
 
 FORMATS = ("jsonl", "csv")
-CSV_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+CSV_COLUMNS = ("id", "text", "thinking", "finish_reason", "prompt_tokens", "completion_tokens", "thinking_tokens",
+               "error")
 ROW_KEYS = ("id", "prompt", "messages", "system", "think")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
 # Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
@@ -154,6 +155,13 @@ def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, sy
     except LocalrunError as e:
         return BatchRow(row_id, line, error=f"line {line}: {e}")
     return BatchRow(row_id, line, request, params)
+
+
+def refuse_thinking(rows: list[BatchRow], model: str) -> list[BatchRow]:
+    """Rows that ask a model that cannot think to think get an error instead, as serve's 400 does."""
+    return [replace(r, request=None, error=f"line {r.line}: model '{model}' does not support thinking; "
+                                           "drop 'think' from the row, or use a model that thinks")
+            if r.request is not None and r.request.think not in (None, False) else r for r in rows]
 
 
 def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, system: str | None = None,
@@ -297,6 +305,9 @@ def finished_ids(path: str, fmt: str) -> set[str]:
         reader = csv.reader(feed())
         try:
             for i, rec in enumerate(reader):
+                if i == 0 and rec and rec[0] == "id" and tuple(rec) != CSV_COLUMNS:
+                    raise UsageError(f"'{path}' has the columns {', '.join(rec)}; this localrun writes "
+                                     f"{', '.join(CSV_COLUMNS)}", "write to a new file, or drop --resume")
                 complete = data[:consumed[0]].endswith("\n") and len(rec) == len(CSV_COLUMNS)
                 if not complete:
                     break

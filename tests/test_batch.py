@@ -236,7 +236,8 @@ def test_finished_ids_repairs_a_torn_last_row(tmp_path: Path) -> None:
     assert finished_ids(str(jl), "jsonl") == {"1", "x"}
     assert jl.read_text().endswith('"e"}\n')
     cs = tmp_path / "o.csv"
-    full = 'id,text,finish_reason,prompt_tokens,completion_tokens,error\n1,"two\nlines",stop,3,4,\n'
+    full = ('id,text,thinking,finish_reason,prompt_tokens,completion_tokens,thinking_tokens,error\n'
+            '1,"two\nlines",,stop,3,4,,\n')
     cs.write_text(full + '2,"cut in the mid')
     assert finished_ids(str(cs), "csv") == {"1"}
     assert cs.read_text() == full

@@ -28,7 +28,7 @@ from localrun.errors import (
     UsageError,
 )
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
-from localrun.reasoning import Splitter
+from localrun.reasoning import Split, Splitter
 from localrun.tools.lark import regex_literal, special
 
 
@@ -60,6 +60,51 @@ def after_thought(lark: str, opening: str, closing: str, inside: bool) -> str:
             f"REASONING: /(?s:.*)/ & ~/(?s:.*){c}(?s:.*)/\n"
             f"REASONING_LIT: /(?s:.*){c}/\n"
             "REASONING_WS: /[ \\t\\r\\n]+/\n" + body)
+
+
+class RawSplitter:
+    """A raw completion's splitter: the reply goes through the format's splitter only when it
+    starts with the format's opening marker; any other reply passes through untouched (leading
+    whitespace included, which the chat splitters trim)."""
+
+    def __init__(self, opening: tuple[str, ...], inner: Splitter) -> None:
+        self.opening, self.inner = opening, inner
+        self.buf = ""
+        self.mode = "undecided"  # then "split" or "plain"
+
+    @property
+    def in_thought(self) -> bool:
+        return self.mode == "split" and self.inner.in_thought
+
+    @property
+    def opened(self) -> bool:
+        return self.mode == "split" and self.inner.opened
+
+    @property
+    def closed(self) -> bool:
+        return self.mode == "split" and self.inner.closed
+
+    def feed(self, text: str) -> Split:
+        if self.mode == "split":
+            return self.inner.feed(text)
+        if self.mode == "plain":
+            return Split(answer=text)
+        self.buf += text
+        head = self.buf.lstrip()
+        if not head or any(o.startswith(head) for o in self.opening):
+            return Split()  # still undecided
+        buf, self.buf = self.buf, ""
+        if any(head.startswith(o) for o in self.opening):
+            self.mode = "split"
+            return self.inner.feed(buf)
+        self.mode = "plain"
+        return Split(answer=buf)
+
+    def flush(self) -> Split:
+        if self.mode == "split":
+            return self.inner.flush()
+        buf, self.buf = self.buf, ""
+        return Split(answer=buf) if buf else Split()
 
 
 def _lcp(a: list[int], b: list[int], limit: int) -> int:
@@ -161,11 +206,13 @@ class EngineLoop:
         """A thinking model's chat reply gets a splitter; a grammar without a trigger (a schema) then
         lets the model think first, unless thinking is off."""
         fmt = self.engine.reasoning
-        if fmt is None or request.prompt is not None:
+        if fmt is None:
             return None, params
         detok = self.engine.detokenizer(True)
         tail = "".join(detok.feed(t) for t in tokens[-16:]) + detok.flush()
         inside = fmt.starts_inside(tail)
+        if request.prompt is not None:  # raw: split only a thought the prompt or the reply opens
+            return (fmt.splitter(True) if inside else RawSplitter(fmt.opening, fmt.splitter())), params
         thinks = inside or request.think is not False or not fmt.can_switch_off
         if params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing and fmt.opening:
             params = dataclasses.replace(params, grammar=after_thought(params.grammar, fmt.opening[0], fmt.closing,

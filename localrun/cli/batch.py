@@ -85,6 +85,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
     params, options = target.params(params, engine), target.load_options(options, engine)
+    thinks = "thinking" in api.capabilities(target.model, engine)
+    if think_from_args(args) not in (None, False) and not thinks:
+        raise UsageError(f"model '{target.model.name}' does not support thinking (its chat template has no "
+                         "reasoning format)", "drop --think/--think-effort, or use a model that thinks")
     fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
     rows = batching.read_input(args.input, params, args.system, args.raw, think_from_args(args))
@@ -98,6 +102,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         report.summary()
         return 0
     model = target.model
+    if not thinks:
+        rows = batching.refuse_thinking(rows, model.name)
     plan = tool_plan_from_args(args, model)
     if plan is not None:
         rows, params = batching.with_tools(rows, params, plan), plan.params(params)

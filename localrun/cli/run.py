@@ -23,6 +23,7 @@ from localrun.cli.options import (
 if TYPE_CHECKING:
     from localrun.backends.base import Session
     from localrun.generation import Chunk, GenerationParams, Request
+    from localrun.store import ModelInfo
     from localrun.tools import ToolPlan
 
 
@@ -65,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     target, engine = target_from_args(args)
     model = target.model
     plan = tool_plan_from_args(args, model)
+    _check_think(model, engine, think)
     params = target.params(params, engine)
     session = api.load(model, target.load_options(options, engine), engine=engine)
     if args.verbose:
@@ -82,6 +84,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _answer(session, model.name, request, params, args, plan)
     finally:
         session.close()
+
+
+def _check_think(model: ModelInfo, engine: str, think: bool | str | None) -> None:
+    """Thinking asked of a model that cannot think is refused, as serve's 400 does; thinking off on
+    a template that always thinks (gpt-oss) is said once, and its thought still kept apart."""
+    from localrun import api
+    from localrun.errors import UsageError
+    from localrun.reasoning import detect
+
+    if think is None:
+        return
+    if think is not False and "thinking" not in api.capabilities(model, engine):
+        raise UsageError(f"model '{model.name}' does not support thinking (its chat template has no reasoning format)",
+                         "drop --think/--think-effort, or use a model that thinks")
+    fmt = detect(api.chat_template(model)) if think is False else None
+    if fmt is not None and not fmt.can_switch_off:
+        print(f"localrun: {model.name} always thinks (its chat template cannot switch thinking off); "
+              "its thought is kept apart from the answer", file=sys.stderr)
 
 
 def _answer(session: Session, name: str, request: Request, params: GenerationParams, args: argparse.Namespace,
