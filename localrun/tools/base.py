@@ -154,6 +154,19 @@ def _random_id(n: int) -> str:
 
 # -- prompt pieces ---------------------------------------------------------------------------
 
+def one_call_per_turn(messages: Sequence[Message]) -> list[Message]:
+    """Each assistant turn with several tool calls as one turn per call (the first keeps the text),
+    for templates that render one call a turn."""
+    out: list[Message] = []
+    for m in messages:
+        if m.role == "assistant" and len(m.tool_calls) > 1:
+            out.extend(replace(m, content=m.content if i == 0 else "", tool_calls=(c,))
+                       for i, c in enumerate(m.tool_calls))
+        else:
+            out.append(m)
+    return out
+
+
 def plain_calls(m: Message) -> list[dict[str, Any]]:
     """An assistant turn's calls as [{"name", "arguments"}]."""
     return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m.tool_calls]

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from localrun.chat import Message
 from localrun.constraint import literal, schema_lark
-from localrun.tools.base import ToolFormat, params_schema, register
+from localrun.tools.base import ToolFormat, one_call_per_turn, params_schema, register
 from localrun.tools.lark import regex_literal, special
 from localrun.tools.stream import Event, Opener, ToolCall, ToolStreamer, assemble
 
@@ -39,15 +38,7 @@ class Harmony(ToolFormat):
 
     def prepare(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]],
                 choice: str = "auto") -> list[Message]:
-        # The template renders only an assistant turn's first call: one turn per call.
-        out: list[Message] = []
-        for m in messages:
-            if m.role == "assistant" and len(m.tool_calls) > 1:
-                out.extend(replace(m, content=m.content if i == 0 else "", tool_calls=(c,))
-                           for i, c in enumerate(m.tool_calls))
-            else:
-                out.append(m)
-        return out
+        return one_call_per_turn(messages)  # the template renders only a turn's first call
 
     def streamer(self) -> ToolStreamer:
         return HarmonyStreamer(self)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from localrun.chat import Message
 from localrun.constraint import schema_lark
-from localrun.tools.base import ToolFormat, any_of, call_schema, register
+from localrun.tools.base import ToolFormat, any_of, call_schema, one_call_per_turn, register
 from localrun.tools.lark import special
 from localrun.tools.stream import Opener
 
@@ -31,15 +30,7 @@ class Llama3(ToolFormat):
 
     def prepare(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]],
                 choice: str = "auto") -> list[Message]:
-        # The template refuses more than one call per turn: one turn per call.
-        out: list[Message] = []
-        for m in messages:
-            if m.role == "assistant" and len(m.tool_calls) > 1:
-                out.extend(replace(m, content=m.content if i == 0 else "", tool_calls=(c,))
-                           for i, c in enumerate(m.tool_calls))
-            else:
-                out.append(m)
-        return out
+        return one_call_per_turn(messages)  # the template refuses more than one call per turn
 
     def _prefix(self) -> tuple[str, str]:
         return f"{special('<|python_tag|>')}? ", ""
