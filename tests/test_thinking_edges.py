@@ -114,3 +114,43 @@ def test_batch_csv_has_the_thought_in_its_own_column(cli, models: None, tmp_path
     r = cli("batch", "r1:tiny", "-i", str(rows), "-o", str(old), "--resume")
     assert r.returncode == 2 and "write to a new file, or drop --resume" in r.stderr
     assert old.read_text().endswith("1,hi,stop,3,4,\n")
+
+
+def test_a_schema_on_gpt_oss_holds_the_whole_reply_and_parses(cli, models: None) -> None:  # noqa: ANN001
+    """gpt-oss's answer channel header is several special tokens: the schema holds from the first
+    token (no thought), so the reply is the JSON itself."""
+    assert detect(templates()["openai-gpt-oss-120b"]).grammar_after_thought is False  # type: ignore[union-attr]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    r = cli("run", "oss:tiny", "A city as JSON", "--schema", json.dumps(schema), "--json", "-n", "24", *SAMPLED)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert isinstance(json.loads(out["text"])["city"], str) and not out.get("thinking")
+
+
+def test_a_schema_after_granite_s_thought_expects_its_response_wrapper() -> None:
+    """Granite writes <response> between its thought and its answer: the grammar after the thought
+    takes it there (and an answer with no thought at all), never a bare answer after </think>."""
+    import llguidance
+
+    from localrun.backends.loop import after_thought
+    from localrun.constraint import Constraint
+    from localrun.tools.lark import resolve_specials
+
+    from .conftest import ASSETS
+
+    fmt = detect(templates()["ibm-granite-granite-3.3-2B-Instruct"])
+    assert fmt is not None and fmt.answer_head == "<response>"
+    tok = llguidance.LLTokenizer((ASSETS / "tokenizers" / "qwen3" / "tokenizer.json").read_text())
+    lark = after_thought(Constraint.schema({"type": "object"}).grammar, "<think>", "</think>", False, fmt.answer_head)
+
+    def special_id(text: str) -> int | None:
+        ids = tok.tokenize_str(text)
+        return ids[0] if len(ids) == 1 and tok.is_special_token(ids[0]) else None
+
+    def full(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, resolve_specials(lark, special_id), log_level=0)
+        ids = tok.tokenize_str(text)
+        return m.validate_tokens(ids) == len(ids) and bool(m.consume_tokens(ids)) and m.is_accepting()
+
+    assert full('<think>hm, a city</think><response>{"a": 1}') and full('<response>{}') and full('{"a": 1}')
+    assert not full('<think>hm</think>{"a": 1}')

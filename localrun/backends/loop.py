@@ -47,13 +47,16 @@ class Sink(Protocol):
     def error(self, rid: Any, error: LocalrunError) -> None: ...
 
 
-def after_thought(lark: str, opening: str, closing: str, inside: bool) -> str:
+def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "") -> str:
     """A grammar that lets a thinking model think first: an optional thought between the format's
-    markers (a required one when the prompt opened it), then the original grammar. Free text
+    markers (a required one when the prompt opened it), the text the format writes before its
+    answer (`answer_head`, e.g. Granite's <response>), then the original grammar. Free text
     cannot run past the closing marker (the lexer is greedy), as tools.lark.thought() does."""
     body = re.sub(r"(?m)^([?!]?)start(\s*:)", r"\1answer_start\2", lark)
     c = regex_literal(closing)
     head = "reasoning " if inside else f"({special(opening)} reasoning)? "
+    if answer_head:
+        head = f"({head}{special(answer_head)})? " if not inside else f"{head}{special(answer_head)} "
     return (f"start: {head}answer_start\n"
             f"reasoning: REASONING {special(closing)} REASONING_WS? | reasoning_lit REASONING_WS?\n"
             "reasoning_lit[lazy]: REASONING_LIT\n"
@@ -214,9 +217,10 @@ class EngineLoop:
         if request.prompt is not None:  # raw: split only a thought the prompt or the reply opens
             return (fmt.splitter(True) if inside else RawSplitter(fmt.opening, fmt.splitter())), params
         thinks = inside or request.think is not False or not fmt.can_switch_off
-        if params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing and fmt.opening:
+        if (params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing
+                and fmt.opening and fmt.grammar_after_thought):
             params = dataclasses.replace(params, grammar=after_thought(params.grammar, fmt.opening[0], fmt.closing,
-                                                                       inside))
+                                                                       inside, fmt.answer_head))
         return fmt.splitter(inside), params
 
     def cancel(self, rid: Any) -> None:

@@ -79,6 +79,10 @@ class ReasoningFormat:
     answer_markers: ClassVar[tuple[str, ...]] = ()
     # the template variables that turn thinking off, in the order they are looked for
     switched_by: ClassVar[tuple[str, ...]] = ()
+    # what the model writes between its thought and its answer; whether a grammar on the answer can
+    # follow a thought (False: the grammar holds from the first token and the model does not think)
+    answer_head: ClassVar[str] = ""
+    grammar_after_thought: ClassVar[bool] = True
 
     def __init__(self, template: str = "") -> None:
         self.template = template

@@ -22,6 +22,7 @@ class Granite(ReasoningFormat):
     switched_by: ClassVar[tuple[str, ...]] = ("thinking",)
     closing: ClassVar[str] = "</think>"
     answer_markers: ClassVar[tuple[str, ...]] = ("<response>", "</response>")
+    answer_head: ClassVar[str] = "<response>"
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:

@@ -35,6 +35,9 @@ class Harmony(ReasoningFormat):
     name: ClassVar[str] = "harmony"
     opening: ClassVar[tuple[str, ...]] = ("<|channel|>analysis<|message|>",)
     closing: ClassVar[str] = "<|end|>"
+    # the answer's channel header is several special tokens a grammar cannot spell yet: a schema
+    # holds the reply from its first token
+    grammar_after_thought: ClassVar[bool] = False
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
