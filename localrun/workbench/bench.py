@@ -244,30 +244,14 @@ class _GlibcRand:
         return v >> 1
 
 
-class _ThreadpoolParams(ctypes.Structure):
-    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
-                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
-
-
 class _Ggml:
-    """The few ggml calls llama-cpp-python does not bind: threadpools and backend names."""
+    """The threadpool and backend-name calls of llama-bench, through the workbench's libggml."""
 
     def __init__(self, ll: Any) -> None:
-        from llama_cpp._ctypes_extensions import load_shared_library
+        from localrun.workbench.ggml import ThreadpoolParams, libggml
 
-        lib = load_shared_library("ggml", Path(ll.llama_cpp._base_path))
+        lib = self.lib = libggml()
         vp = ctypes.c_void_p
-        self.lib = lib
-        for name, res, args in (("ggml_backend_reg_count", ctypes.c_size_t, []),
-                                ("ggml_backend_reg_get", vp, [ctypes.c_size_t]),
-                                ("ggml_backend_reg_name", ctypes.c_char_p, [vp]),
-                                ("ggml_backend_reg_dev_count", ctypes.c_size_t, [vp]),
-                                ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
-                                ("ggml_backend_dev_backend_reg", vp, [vp]),
-                                ("ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
-                                ("ggml_threadpool_params_default", _ThreadpoolParams, [ctypes.c_int])):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
         self.attach = ctypes.CFUNCTYPE(None, vp, vp, vp)(("llama_attach_threadpool", ll.llama_cpp._lib))
         # As llama-bench does: the CPU backend's own threadpool functions, found through its registry.
         cpu = lib.ggml_backend_dev_by_type(_CPU_DEVICE)
@@ -276,7 +260,7 @@ class _Ggml:
         free = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_free") if reg else None
         if not (new and free):
             raise EngineError("this llama.cpp build has no CPU backend threadpool", "reinstall llama-cpp-python")
-        self.threadpool_new = ctypes.CFUNCTYPE(vp, ctypes.POINTER(_ThreadpoolParams))(new)
+        self.threadpool_new = ctypes.CFUNCTYPE(vp, ctypes.POINTER(ThreadpoolParams))(new)
         self.threadpool_free = ctypes.CFUNCTYPE(None, vp)(free)
 
     def threadpool(self, n_threads: int) -> Any:

@@ -303,19 +303,10 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> float:
 
 
 def _ggml_lib() -> Any:
-    """libggml with the few functions the collector calls, after checking this module's layout."""
-    from llama_cpp._ggml import libggml as g
+    """The workbench's libggml, after checking that this module's ggml_tensor layout is its own."""
+    from localrun.workbench.ggml import libggml
 
-    g.ggml_tensor_overhead.restype = ctypes.c_size_t
-    g.ggml_tensor_overhead.argtypes = []
-    g.ggml_op_name.restype = ctypes.c_char_p
-    g.ggml_op_name.argtypes = [ctypes.c_int]
-    g.ggml_nbytes.restype = ctypes.c_size_t
-    g.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-    g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_tensor_get.restype = None
-    g.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    g = libggml()
     size = g.ggml_tensor_overhead() - _OBJECT_SIZE
     ops = (g.ggml_op_name(_OP_MUL_MAT), g.ggml_op_name(_OP_MUL_MAT_ID))
     if size != ctypes.sizeof(_GgmlTensor) or ops != (b"MUL_MAT", b"MUL_MAT_ID"):
