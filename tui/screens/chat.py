@@ -54,7 +54,6 @@ class ChatScreen(Screen[None]):
         self.cancel = threading.Event()
         self._stream: MarkdownStream | None = None
         self._reply_widget: AssistantMessage | None = None
-        self._thought_widget: ThinkingBlock | None = None
         self._user_widget: UserMessage | None = None
         self._pending_prompt = ""
         self._regenerating = False
@@ -145,7 +144,6 @@ class ChatScreen(Screen[None]):
         await box.mount(self._reply_widget)
         box.scroll_end(animate=False)
         self._stream = Markdown.get_stream(self._reply_widget)
-        self._thought_widget = None
         self._pending_prompt = prompt
         self._regenerating = regenerate
         self.generation += 1
@@ -228,14 +226,19 @@ class ChatScreen(Screen[None]):
             await self._stream.write(message.text)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
+    @property
+    def _thought_widget(self) -> ThinkingBlock | None:
+        """The thinking block of the reply in progress (the one its answer holds), if it thought."""
+        return self._reply_widget.thought if self._reply_widget is not None else None
+
     async def _thought_block(self) -> ThinkingBlock:
         """The reply's thinking block, mounted above the answer when the first thought arrives."""
-        if self._thought_widget is None:
-            self._thought_widget = ThinkingBlock()
-            await self.query_one("#messages", VerticalScroll).mount(self._thought_widget, before=self._reply_widget)
-            if self._reply_widget is not None:
-                self._reply_widget.thought = self._thought_widget
-        return self._thought_widget
+        reply = self._reply_widget
+        assert reply is not None
+        if reply.thought is None:
+            reply.thought = ThinkingBlock()
+            await self.query_one("#messages", VerticalScroll).mount(reply.thought, before=reply)
+        return reply.thought
 
     async def _finish_stream(self) -> None:
         if self._stream is not None:
@@ -264,7 +267,7 @@ class ChatScreen(Screen[None]):
             self._thought_widget.finish(stats.get("thinking_seconds"), stats.get("thinking_tokens"))
             # A reply that is all thought (cut inside it) keeps it open: there is nothing else to read.
             self._thought_widget.collapsed = bool(message.text.strip())
-        self._user_widget = self._reply_widget = self._thought_widget = None
+        self._user_widget = self._reply_widget = None
         assert self.conversation is not None
         self.sub_title = self.conversation.title
         self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
@@ -294,7 +297,7 @@ class ChatScreen(Screen[None]):
             prompt = self.query_one("#prompt", Input)
             if not prompt.value:
                 prompt.value = self._pending_prompt  # give the prompt back to edit or resend
-        self._user_widget = self._reply_widget = self._thought_widget = None
+        self._user_widget = self._reply_widget = None
         self.status.show(state="ready" if not error else "error")
         self.notify(note, severity="error" if error else "information", timeout=10 if error else 4)
 
