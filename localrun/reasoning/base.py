@@ -69,8 +69,9 @@ class ReasoningFormat:
     """A model family's way of writing its thought apart from its answer.
 
     Marker formats set `opening` / `closing` (and `answer_markers`, wrappers removed from the
-    answer); harmony overrides `splitter`. `history_field` names the message field the template
-    reads earlier turns' thoughts from (None: drop them from earlier assistant turns).
+    answer); harmony overrides `splitter`. A format is recognised by its opening marker unless it
+    overrides `matches`. `history_field` names the message field the template reads earlier turns'
+    thoughts from (None: drop them from earlier assistant turns).
     """
 
     name: ClassVar[str] = ""
@@ -83,19 +84,22 @@ class ReasoningFormat:
     # follow a thought (False: the grammar holds from the first token and the model does not think)
     answer_head: ClassVar[str] = ""
     grammar_after_thought: ClassVar[bool] = True
+    # what the model writes right after the closing marker (before answer_head), such as "\n\n"
+    closing_gap: ClassVar[str] = ""
 
     def __init__(self, template: str = "") -> None:
         self.template = template
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
-        """Whether a model with this chat template and vocabulary writes its thought this way."""
-        raise NotImplementedError
+        """Whether a model with this chat template and vocabulary writes its thought this way: by
+        default, the template has the opening marker or the vocabulary has it as one token."""
+        return any(o in template or has_token(o) for o in cls.opening)
 
     @property
     def closing_text(self) -> str:
         """What to insert to end a thought (a thinking budget), so the model then answers."""
-        return self.closing + "\n\n"
+        return self.closing + self.closing_gap + self.answer_head
 
     @property
     def history_field(self) -> str | None:

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from localrun.reasoning.base import (
-    HasToken,
-    ReasoningFormat,
-    no_token,
-    register,
-)
+from localrun.reasoning.base import HasToken, ReasoningFormat, no_token, register
 
 
 @register(40)
@@ -24,8 +19,4 @@ class CommandR(ReasoningFormat):
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
-        return "<|START_THINKING|>" in template
-
-    @property
-    def closing_text(self) -> str:
-        return self.closing
+        return cls.opening[0] in template  # the template alone, not the vocabulary

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from localrun.reasoning.base import (
-    HasToken,
-    ReasoningFormat,
-    no_token,
-    register,
-)
+from localrun.reasoning.base import HasToken, ReasoningFormat, no_token, register
 
 
 @register(20)
@@ -27,7 +22,3 @@ class Granite(ReasoningFormat):
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
         return "<think></think>" in template and "<response></response>" in template
-
-    @property
-    def closing_text(self) -> str:
-        return "</think><response>"

@@ -35,6 +35,7 @@ class Harmony(ReasoningFormat):
     name: ClassVar[str] = "harmony"
     opening: ClassVar[tuple[str, ...]] = ("<|channel|>analysis<|message|>",)
     closing: ClassVar[str] = "<|end|>"
+    answer_head: ClassVar[str] = "<|start|>assistant<|channel|>final<|message|>"
     # the answer's channel header is several special tokens a grammar cannot spell yet: a schema
     # holds the reply from its first token
     grammar_after_thought: ClassVar[bool] = False
@@ -42,10 +43,6 @@ class Harmony(ReasoningFormat):
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
         return "<|channel|>" in template and "analysis" in template
-
-    @property
-    def closing_text(self) -> str:
-        return "<|end|><|start|>assistant<|channel|>final<|message|>"
 
     @property
     def history_field(self) -> str | None:

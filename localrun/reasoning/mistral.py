@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from localrun.reasoning.base import HasToken, ReasoningFormat, no_token, register
+from localrun.reasoning.base import ReasoningFormat, register
 
 
 @register(30)
@@ -14,14 +14,6 @@ class MistralThink(ReasoningFormat):
     name: ClassVar[str] = "mistral"
     opening: ClassVar[tuple[str, ...]] = ("[THINK]",)
     closing: ClassVar[str] = "[/THINK]"
-
-    @classmethod
-    def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
-        return "[THINK]" in template or has_token("[THINK]")
-
-    @property
-    def closing_text(self) -> str:
-        return self.closing
 
     @property
     def history_field(self) -> str | None:

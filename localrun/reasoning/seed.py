@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import ClassVar
 
-from localrun.reasoning.base import HasToken, ReasoningFormat, Switch, no_token, register
+from localrun.reasoning.base import ReasoningFormat, Switch, register
 
 
 @register(10)
@@ -15,14 +15,8 @@ class SeedThink(ReasoningFormat):
     name: ClassVar[str] = "seed"
     opening: ClassVar[tuple[str, ...]] = ("<seed:think>",)
     closing: ClassVar[str] = "</seed:think>"
-
-    @classmethod
-    def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
-        return "<seed:think>" in template or has_token("<seed:think>")
-
-    @property
-    def can_switch_off(self) -> bool:
-        return "thinking_budget" in self.template
+    closing_gap: ClassVar[str] = "\n\n"
+    switched_by: ClassVar[tuple[str, ...]] = ("thinking_budget",)
 
     def switch(self, think: bool | str | None) -> Switch:
         if think is False and self.can_switch_off:

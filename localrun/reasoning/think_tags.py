@@ -23,11 +23,12 @@ class ThinkTags(ReasoningFormat):
     opening: ClassVar[tuple[str, ...]] = ("<think>",)
     switched_by: ClassVar[tuple[str, ...]] = ("enable_thinking", "thinking")
     closing: ClassVar[str] = "</think>"
+    closing_gap: ClassVar[str] = "\n\n"
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
         # "</think>" alone is a template that only strips thoughts out of history
-        return "</think>" in template and ("<think>" in template or has_token("<think>"))
+        return cls.closing in template and super().matches(template, has_token)
 
     def switch(self, think: bool | str | None) -> Switch:
         out = thinking_switch(self.template, think)
