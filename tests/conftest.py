@@ -13,6 +13,9 @@ from typing import NoReturn
 
 import pytest
 
+# The engines' shared thinking checks assert in a helper module: show their values when they fail.
+pytest.register_assert_rewrite("tests.thinking_models")
+
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO.parent / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K.gguf"
