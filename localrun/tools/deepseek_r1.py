@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from localrun.chat import Message
-from localrun.constraint import schema_lark
+from localrun.constraint import literal, schema_lark
 from localrun.tools.base import (
     ToolFormat,
     calls_as_text,
@@ -18,7 +18,7 @@ from localrun.tools.base import (
     register,
     with_system,
 )
-from localrun.tools.lark import literal, special, thought
+from localrun.tools.lark import special, thought
 from localrun.tools.stream import Opener
 
 _DS = {k: f"<｜{k.replace('_', '▁')}｜>" for k in (

@@ -3,9 +3,10 @@ placeholders (`<<special:TEXT>>`, one token where the vocabulary has it) and fre
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
+
+from localrun.constraint import literal
 
 # TEXT may end in '>' (<|python_tag|>): the placeholder ends at the last '>>' of a run of '>'.
 _SPECIAL = re.compile(r"<<special:(.+?)>>(?!>)", re.S)
@@ -20,11 +21,6 @@ def resolve_specials(grammar: str, lookup: Callable[[str], int | None]) -> str:
         return f"<[{tid}]>" if tid is not None else literal(m.group(1))
 
     return _SPECIAL.sub(sub, grammar)
-
-
-def literal(text: str) -> str:
-    """text as a quoted Lark literal."""
-    return json.dumps(text, ensure_ascii=False)
 
 
 def special(text: str) -> str:
