@@ -138,21 +138,22 @@ async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: M
     return JSONResponse({"model": body.model, "created_at": _now(), **reply, "done": True, "done_reason": "load"})
 
 
+def _reply(key: str, text: str, thinking: str = "") -> dict[str, Any]:
+    """A line's reply fields: the message (with its thinking) in chat, response and thinking in generate."""
+    if key == "message":
+        msg = {"role": "assistant", "content": text}
+        return {"message": {**msg, "thinking": thinking} if thinking else msg}
+    return {"response": text, "thinking": thinking} if thinking else {"response": text}
+
+
 async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, req: Request, params: GenerationParams,
                   key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
     run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds())
     await run.begin()
 
-    def piece(text: str, thinking: str = "") -> dict[str, Any]:
-        """A line's reply fields: the message (with its thinking) in chat, response and thinking in generate."""
-        if key == "message":
-            msg = {"role": "assistant", "content": text}
-            return {"message": {**msg, "thinking": thinking} if thinking else msg}
-        return {"response": text, "thinking": thinking} if thinking else {"response": text}
-
     if body.stream:
-        lines = _tool_lines(run, body, plan) if plan is not None else _lines(run, body, piece)
+        lines = _tool_lines(run, body, plan) if plan is not None else _lines(run, body, key)
         return RunResponse(lines, run, NDJSON)
     parts: list[str] = []
     thought: list[str] = []
@@ -166,7 +167,7 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, 
                 lps.extend(_logprobs(chunk))
 
     await run.complete(collect())
-    out = {"model": body.model, "created_at": _now(), **piece("".join(parts), "".join(thought)), "done": True,
+    out = {"model": body.model, "created_at": _now(), **_reply(key, "".join(parts), "".join(thought)), "done": True,
            **_stats(run, run.finals[0])}
     if plan is not None:
         content, calls = plan.parse("".join(parts))
@@ -178,14 +179,14 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, 
     return JSONResponse(out)
 
 
-async def _lines(run: Run, body: OllamaGenerating, piece: Any) -> AsyncIterator[bytes]:
+async def _lines(run: Run, body: OllamaGenerating, key: str) -> AsyncIterator[bytes]:
     try:
         async for _, chunk in run.items():
             if chunk.done:
-                yield _line({"model": body.model, "created_at": _now(), **piece(""), "done": True,
+                yield _line({"model": body.model, "created_at": _now(), **_reply(key, ""), "done": True,
                              **_stats(run, chunk)})
             elif chunk.text or chunk.thinking or body.logprobs:
-                line: dict[str, Any] = {"model": body.model, "created_at": _now(), **piece(chunk.text, chunk.thinking),
+                line: dict[str, Any] = {"model": body.model, "created_at": _now(), **_reply(key, chunk.text, chunk.thinking),
                                         "done": False}
                 if body.logprobs:
                     line["logprobs"] = _logprobs(chunk)
@@ -201,9 +202,7 @@ async def _tool_lines(run: Run, body: OllamaGenerating, plan: ToolPlan) -> Async
     calls: dict[int, dict[str, Any]] = {}
 
     def message(content: str, thinking: str = "") -> bytes:
-        msg = {"role": "assistant", "content": content}
-        return _line({"model": body.model, "created_at": _now(), "message": {**msg, "thinking": thinking} if thinking else msg,
-                      "done": False})
+        return _line({"model": body.model, "created_at": _now(), **_reply("message", content, thinking), "done": False})
 
     def take(items: list[Any]) -> str:
         text = ""
