@@ -127,7 +127,7 @@ class GrammarState:
     cut by its budget still parses (and still says finish_reason "length").
     """
 
-    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "broken", "_bits")
+    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "broken", "_bits", "_path")
 
     def __init__(self, grammars: Grammars, lark: str, trigger: str | None, matcher: Any,
                  budget: int | None = None) -> None:
@@ -140,6 +140,7 @@ class GrammarState:
         self.budget = budget
         self.broken = False  # a token the grammar refused was taken (tokenizers that disagree)
         self._bits: Any = None
+        self._path: list[int] | None = None  # the closing path from the matcher's state, while known
 
     @property
     def active(self) -> bool:
@@ -163,7 +164,7 @@ class GrammarState:
         import numpy as np
 
         grammars = self.grammars
-        path = grammars.closing(self.matcher, left)
+        path = self._path = self._path if self._path is not None else grammars.closing(self.matcher, left)
         if path is None or len(path) + _MARGIN < left:
             return mask
         keep: list[int] = []
@@ -175,7 +176,7 @@ class GrammarState:
                 if not after.consume_token(t) or after.is_stopped():
                     keep.append(t)  # an end-of-generation token: the reply is complete
                     continue
-                rest = grammars.closing(after, left - 1)
+                rest = path[1:] if path and t == path[0] else grammars.closing(after, left - 1)
                 if rest is not None and len(rest) <= left - 1:
                     keep.append(t)
         if not keep:  # the first step of the closing path; when complete, the end of generation
@@ -199,8 +200,12 @@ class GrammarState:
     def accept(self, token: int) -> None:
         self.consumed += 1
         if self.matcher is not None:
+            # A token on the closing path leaves the rest of it as the new state's closing path.
+            path, self._path = self._path, None
             if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
                 self.broken = True
+            elif path and path[0] == token:
+                self._path = path[1:]
             return
         assert self.trigger is not None
         self.text += self.grammars.piece(token)
