@@ -11,6 +11,7 @@ from typing import Any
 
 from localrun.chat import Message
 from localrun.constraint import literal, schema_lark
+from localrun.reasoning.base import held
 from localrun.tools.base import ToolFormat, one_call_per_turn, params_schema, register
 from localrun.tools.lark import regex_literal, special
 from localrun.tools.stream import Event, Opener, ToolCall, ToolStreamer, assemble
@@ -89,7 +90,7 @@ class HarmonyStreamer(ToolStreamer):
             return self._skip(text)
         hits = [i for s in _STARTS if (i := text.find(s)) >= 0]
         if not hits:
-            keep = _tail(text)
+            keep = held(text, _STARTS)
             self._content(text[: len(text) - keep])
             self.pending = text[len(text) - keep:]
             return ""
@@ -121,14 +122,6 @@ class HarmonyStreamer(ToolStreamer):
             j, e = min(hits)
             self.skipping = False
             return text[j + len(e):]
-        keep = _tail(text)
+        keep = held(text, ENDS)
         self.pending = text[len(text) - keep:]
         return ""
-
-
-def _tail(text: str) -> int:
-    """How many characters at text's end could begin a header or an end marker."""
-    for k in range(min(len(text), max(map(len, _STARTS)) - 1), 0, -1):
-        if any(s.startswith(text[-k:]) for s in _STARTS):
-            return k
-    return 0

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from localrun.reasoning.base import held
 from localrun.tools.json_reader import Frag, JsonError, JsonReader
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ class ToolStreamer:
                 return body
         hit = _first(text, self.fmt.openers)
         if hit is None:
-            keep = _held_prefix(text, self.fmt.openers)
+            keep = held(text, tuple(o.text for o in self.fmt.openers))
             self._content(text[: len(text) - keep])
             self.pending = text[len(text) - keep:]
             return ""
@@ -377,15 +378,6 @@ def _first(text: str, openers: Sequence[Opener]) -> tuple[int, Opener] | None:
         return None
     at, _, opener = min(hits, key=lambda h: (h[0], h[1]))
     return at, opener
-
-
-def _held_prefix(text: str, openers: Sequence[Opener]) -> int:
-    """Length of the longest end of text that could begin an opener."""
-    longest = max((len(o.text) for o in openers), default=0)
-    for k in range(min(len(text), longest - 1), 0, -1):
-        if any(o.text.startswith(text[-k:]) for o in openers):
-            return k
-    return 0
 
 
 def assemble(events: list[Event]) -> tuple[str, list[ToolCall]]:
