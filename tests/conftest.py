@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import NoReturn
 
@@ -162,6 +162,23 @@ def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = N
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="session")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The tiny thinking Qwen3 of tests/thinking_models.py with a template (Qwen3's by default),
+    converted once a session however many modules ask for it; the checkpoint is kept beside it."""
+    from tests.thinking_models import TEMPLATE, make_thinker
+
+    folder = tmp_path_factory.mktemp("thinkers")
+    made: dict[Path, Path] = {}
+
+    def get(template: Path = TEMPLATE) -> Path:
+        if template not in made:
+            made[template] = make_thinker(folder, template=template)
+        return made[template]
+
+    return get
 
 
 @pytest.fixture

@@ -5,28 +5,23 @@ tokenizer and the DeepSeek-R1 and Qwen3 templates (tests/thinking_models.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from localrun import api
-from tests.thinking_models import R1_TEMPLATE, make_thinker
+from tests.thinking_models import R1_TEMPLATE
 
 # DeepSeek-R1's template opens the thought in the prompt: the random model thinks until the budget
 # inserts </think>, then answers (sampled: greedy, the random model repeats whitespace).
 SAMPLED = ["--temperature", "1", "--seed", "3", "-n", "30"]
 
 
-@pytest.fixture(scope="module")
-def thinkers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("thinkers")
-    return {"r1:tiny": make_thinker(folder, template=R1_TEMPLATE), "qwen3:tiny": make_thinker(folder)}
-
-
 @pytest.fixture
-def models(thinkers: dict[str, Path]) -> None:
-    for name, path in thinkers.items():
-        api.add_model(path, name)
+def models(thinker: Callable[..., Path]) -> None:
+    api.add_model(thinker(R1_TEMPLATE), "r1:tiny")
+    api.add_model(thinker(), "qwen3:tiny")
 
 
 def test_run_json_has_the_thought_beside_the_text(cli, models: None) -> None:  # noqa: ANN001

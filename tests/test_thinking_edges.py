@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,23 +17,23 @@ from localrun import api
 from localrun.backends.loop import RawSplitter
 from localrun.reasoning import Split, detect
 from tests.test_reasoning import templates
-from tests.thinking_models import R1_TEMPLATE, make_thinker
+from tests.thinking_models import R1_TEMPLATE
 
 SAMPLED = ["--temperature", "1", "--seed", "3"]
 
 
 @pytest.fixture(scope="module")
-def thinkers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("edges")
-    gpt_oss = folder / "openai-gpt-oss-120b.jinja"
-    gpt_oss.write_text(templates()["openai-gpt-oss-120b"])
-    return {"r1:tiny": make_thinker(folder, template=R1_TEMPLATE), "oss:tiny": make_thinker(folder, template=gpt_oss)}
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama.cpp's gpt-oss template as a file, for the session's thinker."""
+    path = tmp_path_factory.mktemp("edges") / "openai-gpt-oss-120b.jinja"
+    path.write_text(templates()["openai-gpt-oss-120b"])
+    return path
 
 
 @pytest.fixture
-def models(thinkers: dict[str, Path]) -> None:
-    for name, path in thinkers.items():
-        api.add_model(path, name)
+def models(thinker: Callable[..., Path], gpt_oss: Path) -> None:
+    api.add_model(thinker(R1_TEMPLATE), "r1:tiny")
+    api.add_model(thinker(gpt_oss), "oss:tiny")
 
 
 def _rows(path: Path, rows: list[dict[str, object]]) -> Path:

@@ -3,7 +3,7 @@ Qwen3 tokenizer and chat templates (Qwen3's, DeepSeek-R1's), driven by grammars 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +21,13 @@ from tests.thinking_models import (
     check_the_budget,
     check_the_switch_reaches_the_template,
     check_thought_and_answer_stream_apart,
-    make_thinker,
     run,
 )
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("thinkers")
-    return {"qwen3": make_thinker(folder), "r1": make_thinker(folder, template=R1_TEMPLATE)}
+def models(thinker: Callable[..., Path]) -> dict[str, Path]:
+    return {"qwen3": thinker(), "r1": thinker(R1_TEMPLATE)}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ the tiny random Qwen3 with the real Qwen3 tokenizer through `localrun serve`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from localrun.generation import Request
 from localrun.reasoning import detect
 from tests.server.conftest import Served, serve
 from tests.test_reasoning import templates
-from tests.thinking_models import TEMPLATE, TOKENIZER, make_thinker
+from tests.thinking_models import TEMPLATE, TOKENIZER
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -118,14 +118,9 @@ def test_transformers_renders_the_same(name: str, conversation: list[dict[str, A
 # -- through the server, on the tiny Qwen3 with the real Qwen3 template and tokenizer ---------------
 
 
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_thinker(tmp_path_factory.mktemp("thinker"))
-
-
 @pytest.fixture
-def served(thinker: Path) -> Iterator[Served]:
-    api.add_model(thinker, "qwen3:tiny")
+def served(thinker: Callable[..., Path]) -> Iterator[Served]:
+    api.add_model(thinker(), "qwen3:tiny")
     with serve() as s:
         yield s
 

@@ -5,7 +5,7 @@ engine loop. The same parser, switches and budget as on llama.cpp: the same chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,22 +23,18 @@ from tests.thinking_models import (
     check_the_budget,
     check_the_switch_reaches_the_template,
     check_thought_and_answer_stream_apart,
-    make_thinker,
     prompt,
 )
 
 pytest.importorskip("mlx_lm")
 
 
-def _mlx(folder: Path, template: Path) -> Path:
-    make_thinker(folder, template=template)  # the Hugging Face checkpoint is kept beside the GGUF
-    return mlx_lm_convert(folder / f"tiny-{template.stem}", folder / f"tiny-{template.stem}-mlx")
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models(thinker: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("mlx-thinkers")
-    return {"qwen3": _mlx(folder, TEMPLATE), "r1": _mlx(folder, R1_TEMPLATE)}
+    # The Hugging Face checkpoint the session's thinker kept beside its GGUF, converted by mlx-lm.
+    return {name: mlx_lm_convert(thinker(template).with_suffix(""), folder / f"{name}-mlx")
+            for name, template in (("qwen3", TEMPLATE), ("r1", R1_TEMPLATE))}
 
 
 def _open(path: Path) -> InProcess:
