@@ -13,7 +13,7 @@ from itertools import combinations, pairwise
 import pytest
 
 from localrun import reasoning
-from localrun.chat import Message, render_template
+from localrun.chat import Message, render_template, thinking_inputs
 from localrun.reasoning import Split, detect
 from localrun.reasoning.base import FORMATS, ReasoningFormat
 from tests.convert.convert_helpers import (
@@ -67,12 +67,11 @@ def fmt_of(name: str) -> ReasoningFormat:
 
 
 def prompt(name: str, think: bool | str | None, messages: list[Message] = USER) -> str:
-    """The generation prompt a template renders with the format's switch for think."""
-    fmt = fmt_of(name)
-    sw = fmt.switch(think)
-    if sw.system_flag:
-        messages = [Message("system", f"{messages[0].content} {sw.system_flag}"), *messages[1:]]
-    return render_template(templates()[name], messages, bos_token="<s>", eos_token="</s>", **sw.variables)
+    """The generation prompt a template renders with the format's switch for think, applied as
+    the engines apply it (chat.thinking_inputs)."""
+    sw = fmt_of(name).switch(think)
+    messages, variables = thinking_inputs(messages, sw.variables, sw.system_flag, {})
+    return render_template(templates()[name], messages, bos_token="<s>", eos_token="</s>", **variables)
 
 
 def streamed(fmt: ReasoningFormat, pieces: list[str], start_inside: bool) -> Split:
