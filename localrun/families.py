@@ -1,7 +1,8 @@
 """Variant families recognized in a chat template: one module per family in a package, each class
 registered with the place it takes in the search, the first whose `matches` accepts a template wins.
 
-Tool-call syntaxes (`localrun.tools`) use it; reasoning formats can use it the same way.
+Tool-call syntaxes (`localrun.tools`) and reasoning formats (`localrun.reasoning`, whose `detect`
+also asks the vocabulary) use it.
 """
 
 from __future__ import annotations
