@@ -81,8 +81,6 @@ def test_a_schema_narrows_the_bounds_and_keeps_its_meaning() -> None:
                                                      "items": {"type": "object"}}], ids=["city", "measures", "array"])
 def test_a_closing_path_completes_from_every_prefix(tokenizer: Any, schema: dict[str, Any]) -> None:
     """From every prefix of a long valid reply, the closing path ends in a complete parse."""
-    import llguidance
-
     from localrun.backends.grammar import Grammars
 
     c = Constraint.schema(schema)
@@ -102,7 +100,6 @@ def test_a_closing_path_completes_from_every_prefix(tokenizer: Any, schema: dict
         jsonschema.validate(json.loads(text), schema)
         if n < len(ids):
             assert m.consume_token(ids[n])
-    del llguidance
 
 
 def _batch(cli: Any, starter: Path, tmp_path: Path, rows: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
