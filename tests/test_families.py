@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -25,13 +26,19 @@ class {name}:
 '''
 
 
+def defined_in(package: ModuleType, base: type) -> list[type]:
+    """Every subclass of base that a module of the package defines itself (not one it imports)."""
+    defined = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        defined += [obj for obj in vars(module).values() if isinstance(obj, type)
+                    and issubclass(obj, base) and obj is not base and obj.__module__ == module.__name__]
+    return defined
+
+
 def test_every_tool_family_module_registers_its_format() -> None:
     registered = FAMILIES.all()
-    defined = []
-    for info in pkgutil.iter_modules(tools.__path__):
-        module = importlib.import_module(f"localrun.tools.{info.name}")
-        defined += [obj for obj in vars(module).values() if isinstance(obj, type)
-                    and issubclass(obj, ToolFormat) and obj is not ToolFormat and obj.__module__ == module.__name__]
+    defined = defined_in(tools, ToolFormat)
     assert sorted(c.__name__ for c in defined) == sorted(c.__name__ for c in registered)
     assert len(registered) == 7  # hermes, llama3, mistral, granite, deepseek_r1, harmony, generic
     assert registered[-1].__name__ == "Generic"  # it takes any template: tried last

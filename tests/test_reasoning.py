@@ -3,9 +3,7 @@ localrun's own template sandbox, llama.cpp's own parser cases, and streaming cut
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 import tarfile
 from functools import lru_cache
 from itertools import combinations, pairwise
@@ -23,6 +21,7 @@ from tests.convert.convert_helpers import (
     need_asset,
 )
 from tests.reasoning_cases import ANSWER, CASES, THOUGHT, Case
+from tests.test_families import defined_in
 
 # Every real template of llama.cpp's collection that thinks, with its format; the others cannot.
 THINKING = {
@@ -107,11 +106,7 @@ def test_the_vocabulary_decides_a_template_that_only_strips_thoughts() -> None:
 
 
 def test_every_format_module_registers_its_format() -> None:
-    defined = []
-    for info in pkgutil.iter_modules(reasoning.__path__):
-        module = importlib.import_module(f"localrun.reasoning.{info.name}")
-        defined += [o for o in vars(module).values() if isinstance(o, type) and issubclass(o, ReasoningFormat)
-                    and o is not ReasoningFormat and o.__module__ == module.__name__]
+    defined = defined_in(reasoning, ReasoningFormat)
     assert sorted(c.__name__ for c in defined) == sorted(c.__name__ for c in FORMATS.all())
     assert {c.name for c in FORMATS.all()} == set(THINKING.values())
 
