@@ -63,6 +63,21 @@ class Sampled:
     broken: bool = False  # the token breaks the sequence's constraint (an end before it is complete)
 
 
+def render_chat(template: str, reasoning: ReasoningFormat | None, request: Request, bos_token: str,
+                eos_token: str) -> str:
+    """A chat request rendered with the model's template, as every engine renders it: the tools,
+    the reasoning format's switches (the client's template kwargs win) and earlier turns'
+    thoughts under the format's history field."""
+    from localrun.chat import render_template, thinking_inputs
+
+    sw = reasoning.switch(request.think) if reasoning is not None else None
+    messages, extras = thinking_inputs(request.messages, sw.variables if sw else {}, sw.system_flag if sw else None,
+                                       request.template_kwargs)
+    return render_template(template, messages, bos_token=bos_token, eos_token=eos_token,
+                           history_field=reasoning.history_field if reasoning is not None else None,
+                           **{**request.template_extras(), **extras})
+
+
 def token_logprob(logprobs: Any, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:
     """The sampled token's log-probability and the `top` most likely tokens at its position.
 

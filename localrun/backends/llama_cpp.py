@@ -14,10 +14,10 @@ import ctypes
 import warnings
 from typing import Any
 
-from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
+from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_loader import LOG, last_log_error, library, load_model, new_context
-from localrun.chat import PLAIN_STOPS, render_plain, render_template, thinking_inputs
+from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.errors import (
     BadModelFileError,
     ContextOverflowError,
@@ -303,12 +303,7 @@ class LlamaCppEngine:
             return tokens or [self.bos]
         bos_text = self.token_text(self.bos)
         if self._template:
-            sw = self.reasoning.switch(request.think) if self.reasoning is not None else None
-            messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
-                                               sw.system_flag if sw else None, request.template_kwargs)
-            text = render_template(self._template, messages, bos_token=bos_text, eos_token=self.token_text(self.eos),
-                                   history_field=self.reasoning.history_field if self.reasoning is not None else None,
-                                   **{**request.template_extras(), **extras})
+            text = render_chat(self._template, self.reasoning, request, bos_text, self.token_text(self.eos))
         else:
             text = render_plain(request.messages)
             stops.extend(PLAIN_STOPS)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
+from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
-from localrun.chat import PLAIN_STOPS, render_plain, render_template, thinking_inputs
+from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.constraint import import_llguidance
 from localrun.errors import (
     BackendUnavailableError,
@@ -405,12 +405,7 @@ class MLXEngine:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
         if self.template:
-            sw = self.reasoning.switch(request.think) if self.reasoning is not None else None
-            messages, extras = thinking_inputs(request.messages, sw.variables if sw else {},
-                                               sw.system_flag if sw else None, request.template_kwargs)
-            text = render_template(self.template, messages, bos_token=bos, eos_token=tok.eos_token or "",
-                                   history_field=self.reasoning.history_field if self.reasoning is not None else None,
-                                   **{**request.template_extras(), **extras})
+            text = render_chat(self.template, self.reasoning, request, bos, tok.eos_token or "")
         elif getattr(tok, "_chat_template", None) is not None:
             # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).
             text = tok.apply_chat_template([m.to_dict() for m in request.messages], tokenize=False,
