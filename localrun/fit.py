@@ -208,7 +208,10 @@ def choose_context(shape: Shape, weights: int, requested: int | None = None, seq
     if trained is None:
         return ContextChoice(SMALL_CONTEXT, None, sequences, f"{SMALL_CONTEXT}, as the model declares none")
     per_token = kv_cache_bytes(shape, 1)
-    budget = int((memory if memory is not None else _capacity(weights)) * MEMORY_SHARE)
+    if memory is None:
+        ram_total, ram_available, _, gpu_bytes = _machine()
+        memory = _capacity(weights, ram_available or ram_total or 0, gpu_bytes)
+    budget = int(memory * MEMORY_SHARE)
     room = budget - weights - overhead_bytes(weights)
     if per_token == 0 or per_token * sequences * trained <= room:
         return ContextChoice(trained, trained, sequences, "fits in memory" + (f" for {sequences} sequences" if sequences > 1 else ""))
@@ -227,15 +230,26 @@ def context_for(model: ModelInfo, options: LoadOptions, trained: int | None = No
     return choose_context(shape, model.size, options.n_ctx, options.n_parallel)
 
 
-def _capacity(weights: int) -> int:
-    """The memory a model loads into: the GPU's when the weights fit there, else the available RAM."""
+def _machine() -> tuple[int | None, int | None, str | None, int | None]:
+    """This machine's RAM (total, available) and its largest GPU (name, free or else total bytes)."""
     from localrun.system import gpus, ram_bytes
 
     ram_total, ram_available = ram_bytes()
-    gpu = max((int(g.get("free_bytes") or g.get("total_bytes") or 0) for g in gpus()), default=0)
+
+    def capacity(gpu: dict[str, Any]) -> int:
+        return int(gpu.get("free_bytes") or gpu.get("total_bytes") or 0)
+
+    largest = max(gpus(), key=capacity, default=None)
+    if largest is None or not capacity(largest):
+        return ram_total, ram_available, None, None
+    return ram_total, ram_available, largest.get("name"), capacity(largest)
+
+
+def _capacity(weights: int, ram: int, gpu: int | None) -> int:
+    """The memory a model loads into: the GPU's when the weights fit there, else the RAM."""
     if gpu and weights + overhead_bytes(weights) <= gpu * GPU_USABLE:
         return int(gpu * GPU_USABLE)
-    return ram_available or ram_total or 0
+    return ram
 
 
 def parameters_from_gguf(meta: Any, weights: int | None = None) -> tuple[int, int | None, Experts | None]:
@@ -256,19 +270,12 @@ def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, cont
              experts: Experts | None = None, cpu_moe: int | str = 0) -> FitEstimate:
     """Compare the model's needs with this machine's RAM and GPUs; with cpu_moe (--cpu-moe N or
     'all') the expert weights of those layers count toward host memory, not the GPU's."""
-    from localrun.system import gpus, ram_bytes
-
-    ctx = choose_context(shape, weights, context).tokens
+    ram_total, ram_available, gpu_name, gpu_bytes = _machine()
+    ram = ram_available or ram_total or 0
+    ctx = choose_context(shape, weights, context, memory=_capacity(weights, ram, gpu_bytes)).tokens
     kv = kv_cache_bytes(shape, ctx)
     overhead = overhead_bytes(weights)
     total = weights + kv + overhead
-    ram_total, ram_available = ram_bytes()
-    ram = ram_available or ram_total or 0
-    gpu_name, gpu_bytes = None, None
-    for gpu in gpus():
-        capacity = gpu.get("free_bytes") or gpu.get("total_bytes")
-        if capacity and (gpu_bytes is None or capacity > gpu_bytes):
-            gpu_name, gpu_bytes = gpu.get("name"), int(capacity)
 
     def on_gpu(host: int) -> bool:
         return bool(gpu_bytes) and total - host <= (gpu_bytes or 0) * GPU_USABLE and host <= ram
