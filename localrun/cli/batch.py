@@ -16,6 +16,7 @@ from localrun.cli.options import (
     add_load_flags,
     add_thinking_flags,
     add_tool_flags,
+    check_think,
     int_in,
     load_options_from_args,
     params_from_args,
@@ -85,13 +86,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
     params, options = target.params(params, engine), target.load_options(options, engine)
-    thinks = "thinking" in api.capabilities(target.model, engine)
-    if think_from_args(args) not in (None, False) and not thinks:
-        raise UsageError(f"model '{target.model.name}' does not support thinking (its chat template has no "
-                         "reasoning format)", "drop --think/--think-effort, or use a model that thinks")
+    think = think_from_args(args)
+    thinks = check_think(target.model, engine, think)
     fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
-    rows = batching.read_input(args.input, params, args.system, args.raw, think_from_args(args))
+    rows = batching.read_input(args.input, params, args.system, args.raw, think)
     total = len(rows)
     if args.resume:
         done = batching.finished_ids(args.output, fmt)

@@ -123,6 +123,19 @@ def think_from_args(args: argparse.Namespace) -> bool | str | None:
     return effort if effort is not None else think
 
 
+def check_think(model: ModelInfo, engine: str, think: bool | str | None) -> bool:
+    """Whether the model thinks on this engine; thinking asked of one that cannot is refused, as
+    serve's 400 does."""
+    from localrun import api
+    from localrun.errors import UsageError
+
+    thinks = "thinking" in api.capabilities(model, engine)
+    if think not in (None, False) and not thinks:
+        raise UsageError(f"model '{model.name}' does not support thinking (its chat template has no reasoning format)",
+                         "drop --think/--think-effort, or use a model that thinks")
+    return thinks
+
+
 def add_constraint_flags(p: argparse.ArgumentParser, format_flag: bool = True) -> None:
     """Structured output: the reply must match a JSON schema, any JSON object, a grammar or a choice."""
     g = p.add_argument_group("structured output (one of)")

@@ -13,6 +13,7 @@ from localrun.cli.options import (
     add_load_flags,
     add_thinking_flags,
     add_tool_flags,
+    check_think,
     load_options_from_args,
     params_from_args,
     target_from_args,
@@ -75,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
     try:
         if prompt is None:
-            return _interactive(session, model.name, args, params)
+            return _interactive(session, model.name, args, params, think)
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
         if plan is not None:
             request, params = plan.request(request.messages), plan.params(params)
@@ -90,14 +91,11 @@ def _check_think(model: ModelInfo, engine: str, think: bool | str | None) -> Non
     """Thinking asked of a model that cannot think is refused, as serve's 400 does; thinking off on
     a template that always thinks (gpt-oss) is said once, and its thought still kept apart."""
     from localrun import api
-    from localrun.errors import UsageError
     from localrun.reasoning import detect
 
     if think is None:
         return
-    if think is not False and "thinking" not in api.capabilities(model, engine):
-        raise UsageError(f"model '{model.name}' does not support thinking (its chat template has no reasoning format)",
-                         "drop --think/--think-effort, or use a model that thinks")
+    check_think(model, engine, think)
     fmt = detect(api.chat_template(model)) if think is False else None
     if fmt is not None and not fmt.can_switch_off:
         print(f"localrun: {model.name} always thinks (its chat template cannot switch thinking off); "
@@ -188,7 +186,8 @@ def _print_stats(chunk: Chunk) -> None:
     )
 
 
-def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams) -> int:
+def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
+                 think: bool | str | None) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves."""
     import dataclasses
     import threading
@@ -229,7 +228,7 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             else:
                 print("/clear forgets the conversation, /system TEXT sets the system prompt, /bye leaves", file=err)
             continue
-        request = dataclasses.replace(api.build_messages(text, system, history), think=think_from_args(args))
+        request = dataclasses.replace(api.build_messages(text, system, history), think=think)
         cancel = threading.Event()
         parts: list[str] = []
         thought = _Thought(args)
