@@ -15,6 +15,7 @@ from localrun.backends.mlx import MLXEngine
 from localrun.generation import LoadOptions, Request
 from localrun.store import Store
 from tests.mlx.conftest import mlx_lm_convert
+from tests.test_thinking_history import CALLING, TURNS
 from tests.thinking_models import (
     R1_TEMPLATE,
     TEMPLATE,
@@ -86,12 +87,7 @@ def test_a_prompt_that_opens_the_thought_streams_thinking_first(r1: InProcess, b
 
 
 def test_an_earlier_call_s_thought_reaches_the_template(qwen3: InProcess) -> None:
-    # Qwen3's template reads reasoning_content: a call still being answered keeps its thought.
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    calling = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "thinking": "CALL-THOUGHT", "tool_calls": [call]},
-               {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
-    assert "<think>\nCALL-THOUGHT\n</think>" in prompt(qwen3, Request.chat(calling))
-    done = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "thinking": "EARLIER"},
-            {"role": "user", "content": "Again"}]
-    assert "EARLIER" not in prompt(qwen3, Request.chat(done))
+    # Qwen3's template reads reasoning_content: a call still being answered keeps its thought, a
+    # finished turn's is dropped (the conversations of test_thinking_history).
+    assert "<think>\nCALL-THOUGHT\n</think>" in prompt(qwen3, Request.chat(CALLING))
+    assert "EARLIER" not in prompt(qwen3, Request.chat(TURNS))
