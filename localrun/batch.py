@@ -32,6 +32,9 @@ ROW_KEYS = ("id", "prompt", "messages", "system", "think")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
 # Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
 SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special", "lora"))
+# Each setting's kind from its declared type: integers ("int", "int | None"), and those a row may null.
+_INTEGERS = {f.name for f in fields(GenerationParams) if f.type in ("int", "int | None")}
+_OPTIONAL = {f.name for f in fields(GenerationParams) if str(f.type).endswith("| None")}
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,8 @@ def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationPara
             if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
                 raise UsageError(f"invalid value for stop: {own[name]!r}", "expected a string or a list of strings")
             value = tuple(value)
-        elif value is not None or name not in ("seed", "max_tokens", "think_budget"):
-            want: tuple[type, ...] = (int,) if isinstance(base[name], int) or name in ("seed", "max_tokens", "think_budget") \
-                else (int, float)
+        elif value is not None or name not in _OPTIONAL:
+            want: tuple[type, ...] = (int,) if name in _INTEGERS else (int, float)
             if isinstance(value, bool) or not isinstance(value, want):
                 raise UsageError(f"invalid value for {name}: {value!r}", "expected a number")
         base[name] = value

@@ -15,7 +15,7 @@ import pytest
 
 from localrun import api
 from localrun.backends.base import RowResult
-from localrun.batch import finished_ids
+from localrun.batch import BatchRow, finished_ids, parse_row
 from localrun.generation import GenerationParams, LoadOptions, Request
 
 from . import reliability
@@ -242,6 +242,17 @@ def test_finished_ids_repairs_a_torn_last_row(tmp_path: Path) -> None:
     assert finished_ids(str(cs), "csv") == {"1"}
     assert cs.read_text() == full
     assert finished_ids(str(tmp_path / "missing.csv"), "csv") == set()
+
+
+def test_row_settings_take_the_kind_their_field_declares() -> None:
+    def row(**settings: object) -> BatchRow:
+        return parse_row({"id": 1, "prompt": "hi", **settings}, 1)
+
+    ok = row(seed=None, max_tokens=None, think_budget=None, logprobs=None, top_k=5, top_p=1)
+    assert ok.error is None and ok.params is not None and ok.params.top_k == 5 and ok.params.logprobs is None
+    for name, value in (("top_k", 2.5), ("think_budget", 1.5), ("logprobs", 1.5), ("top_p", None), ("seed", True)):
+        bad = row(**{name: value})
+        assert bad.request is None and f"invalid value for {name}: {value!r}" in (bad.error or ""), (name, bad)
 
 
 def test_usage_errors(cli, tmp_path: Path) -> None:
