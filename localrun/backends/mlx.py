@@ -310,7 +310,8 @@ class MLXEngine:
         self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
         self.logprobs: list[int | None] = [None] * self.n_slots
         self.grammar: list[GrammarState | None] = [None] * self.n_slots  # fed by the logits processor
-        self.forced: list[list[int]] = [[] for _ in range(self.n_slots)]  # read by each slot's forcing processor
+        # Read by each slot's forcing processor (None: a request without a thinking budget has none)
+        self.forced: list[list[int] | None] = [None] * self.n_slots
         from localrun.reasoning import detect
 
         self.reasoning = detect(self.template, lambda t: self.special_id(t) is not None)
@@ -425,7 +426,10 @@ class MLXEngine:
     def force(self, slot: int, tokens: list[int]) -> None:
         """BatchGenerator samples a sequence's next token while handing out the current one: once
         the sequence generates, that token, sampled before the force, is replaced by the first
-        forced one (it is what the next step feeds the model), and the rest are queued."""
+        forced one (it is what the next step feeds the model), and the rest are queued for the
+        forcing processor of a request started with a thinking budget."""
+        queued = self.forced[slot]
+        assert queued is not None, "only a request started with a thinking budget can be forced"
         queue = list(tokens)
         batch = getattr(self.gen, "_generation_batch", None)
         uid = self.slot_uid[slot]
@@ -434,7 +438,7 @@ class MLXEngine:
             ahead = batch._next_tokens
             picked = mx.arange(ahead.shape[0]) == batch.uids.index(uid)
             batch._next_tokens = mx.where(picked, mx.array(queue.pop(0), dtype=ahead.dtype), ahead)
-        self.forced[slot][:] = queue
+        queued[:] = queue
 
     def detokenizer(self, special: bool = False) -> _Detok:
         return _Detok(self.tokenizer)
@@ -460,8 +464,13 @@ class MLXEngine:
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         if grammar is not None:
             processors.append(constrain(mx, grammar, len(tokens) - keep))
-        self.forced[slot] = []
-        processors.append(forcing(mx, self.forced[slot]))
+        queued: list[int] | None = None
+        if params.think_budget is not None and self.reasoning is not None:
+            # Only a thought's budget forces tokens; any processor sends the whole batch down
+            # mlx-lm's per-sequence path at every step.
+            queued = []
+            processors.append(forcing(mx, queued))
+        self.forced[slot] = queued
         (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
                                  caches=[cache] if cache is not None else None,
                                  samplers=[make_sampler(mx, params, self.vocab_size)],
