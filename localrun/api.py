@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from localrun.fit import ContextChoice, FitEstimate
     from localrun.hub import PullResult, RepoListing, RepoSummary
     from localrun.pool import Pool
+    from localrun.reasoning import ReasoningFormat
 
 
 def store() -> Store:
@@ -249,6 +250,14 @@ def chat_template(model: ModelInfo) -> str | None:
     if isinstance(tpl, list):  # named templates: the default one
         tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
     return tpl if isinstance(tpl, str) and tpl.strip() else None
+
+
+def reasoning_format(model: ModelInfo) -> ReasoningFormat | None:
+    """How the model writes its thought apart from its answer (None: it cannot think), read from its
+    chat template and vocabulary as the engines read them."""
+    from localrun.capabilities import reasoning_format as read
+
+    return read(model)
 
 
 def capabilities(model: ModelInfo, engine: str | None = None) -> tuple[str, ...]:

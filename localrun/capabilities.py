@@ -8,11 +8,16 @@ that shows capabilities gets it.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from localrun.backends.base import Abilities
+    from localrun.reasoning import ReasoningFormat
     from localrun.store import ModelInfo
 
 # Encoder architectures: they embed and never generate.
@@ -45,12 +50,47 @@ def _embedding(model: ModelInfo, abilities: Abilities | None) -> bool:
     return embeds_only(model) or bool(abilities and abilities.embeddings)
 
 
-def _thinking(model: ModelInfo, abilities: Abilities | None) -> bool:
-    # A reasoning format found in the model's chat template (localrun.reasoning); never from its name.
+def reasoning_format(model: ModelInfo) -> ReasoningFormat | None:
+    """The model's reasoning format, read from its chat template and vocabulary as the engines read
+    them at load (a marker the template names only in part may be one token of the vocabulary)."""
     from localrun.api import chat_template
-    from localrun.reasoning import can_think
+    from localrun.reasoning import detect
 
-    return not embeds_only(model) and can_think(chat_template(model))
+    path = Path(model.path)
+    try:
+        stamp = os.stat(path / "tokenizer.json" if model.format != "gguf" else path).st_mtime_ns
+    except OSError:
+        stamp = 0
+    added = _added_tokens(str(path), model.format == "gguf", stamp)
+    return detect(chat_template(model), added.__contains__)
+
+
+@lru_cache(maxsize=64)
+def _added_tokens(path: str, gguf: bool, stamp: int) -> frozenset[str]:
+    """The control and user-defined tokens of a GGUF's vocabulary, or a tokenizer.json's added
+    tokens (what the engines' special_id finds), read once per file version."""
+    if gguf:
+        from localrun.errors import LocalrunError
+        from localrun.gguf_header import read_gguf
+
+        try:
+            meta = read_gguf(path).metadata
+        except LocalrunError:  # a file gone or damaged: the template alone decides
+            return frozenset()
+        types = meta.get("tokenizer.ggml.token_type") or ()
+        return frozenset(t for t, kind in zip(meta.get("tokenizer.ggml.tokens") or (), types, strict=False)
+                         if kind in (3, 4))  # CONTROL, USER_DEFINED
+    try:
+        data = json.loads((Path(path) / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset(str(t["content"]) for t in data.get("added_tokens") or ()
+                     if isinstance(t, dict) and "content" in t)
+
+
+def _thinking(model: ModelInfo, abilities: Abilities | None) -> bool:
+    # A reasoning format found in the model's chat template and vocabulary; never from its name.
+    return not embeds_only(model) and reasoning_format(model) is not None
 
 
 RULES: tuple[tuple[str, Callable[[ModelInfo, Abilities | None], bool]], ...] = (
