@@ -5,6 +5,7 @@ engine that loads it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,13 @@ from localrun import api
 from localrun.backends.llama_cpp import LlamaCppEngine
 from localrun.generation import LoadOptions
 from tests.test_reasoning import templates
-from tests.thinking_models import make_thinker
 
 
 @pytest.fixture(scope="module")
-def partial(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("partial")
-    template = folder / "LFM2.5-Instruct.jinja"
+def partial(tmp_path_factory: pytest.TempPathFactory, thinker: Callable[..., Path]) -> Path:
+    template = tmp_path_factory.mktemp("partial") / "LFM2.5-Instruct.jinja"
     template.write_text(templates()["LFM2.5-Instruct"])
-    return make_thinker(folder, template=template)
+    return thinker(template)
 
 
 def test_a_format_completed_by_the_vocabulary_is_a_capability_as_the_engine_finds_it(partial: Path) -> None:

@@ -4,13 +4,13 @@ and the DeepSeek-R1 and Qwen3 templates (tests/thinking_models.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from localrun import api
-from tests.thinking_models import R1_TEMPLATE, make_thinker
+from tests.thinking_models import R1_TEMPLATE
 
 from .conftest import MODEL, Served, serve
 
@@ -21,9 +21,8 @@ ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
-def thinkers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("thinkers")
-    return {"r1:tiny": make_thinker(folder, template=R1_TEMPLATE), "qwen3:tiny": make_thinker(folder)}
+def thinkers(thinker: Callable[..., Path]) -> dict[str, Path]:
+    return {"r1:tiny": thinker(R1_TEMPLATE), "qwen3:tiny": thinker()}
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from textual.widgets import Input
 from localrun import api
 from localrun.generation import GenerationParams
 from localrun.store import home
-from tests.thinking_models import R1_TEMPLATE, make_thinker
+from tests.thinking_models import R1_TEMPLATE
 from tests.tui.helpers import wait_for
 from tui.screens.chat import ChatScreen
 from tui.widgets.chat import AssistantMessage, ThinkingBlock
@@ -29,8 +30,8 @@ PARAMS = GenerationParams(temperature=1, seed=3, max_tokens=30, think_budget=BUD
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_thinker(tmp_path_factory.mktemp("thinker"), template=R1_TEMPLATE)
+def r1(thinker: Callable[..., Path]) -> Path:
+    return thinker(R1_TEMPLATE)
 
 
 def chat(app: Any) -> ChatScreen:
@@ -39,8 +40,8 @@ def chat(app: Any) -> ChatScreen:
     return screen
 
 
-def test_the_thought_shows_above_the_answer_is_stored_apart_and_exported(make_app: Any, thinker: Path) -> None:
-    api.add_model(thinker, "r1:tiny")
+def test_the_thought_shows_above_the_answer_is_stored_apart_and_exported(make_app: Any, r1: Path) -> None:
+    api.add_model(r1, "r1:tiny")
     asyncio.run(_flow(make_app))
 
 
