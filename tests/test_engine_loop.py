@@ -26,7 +26,7 @@ class Record:
         self.events: list[tuple[str, Any, Any]] = []
         self.logprobs: dict[Any, list[TokenLogprob]] = {}  # with logprobs on: one per token delivered
 
-    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob]) -> None:
+    def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
         self.events.append(("text", rid, text))
         self.logprobs.setdefault(rid, []).extend(logprobs)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from localrun import api
-from localrun.backends.loop import RawSplitter
 from localrun.reasoning import Split, detect
+from localrun.reasoning.base import RawSplitter
 from tests.test_reasoning import templates
 from tests.thinking_models import R1_TEMPLATE
 
@@ -133,9 +133,8 @@ def test_a_schema_after_granite_s_thought_expects_its_response_wrapper() -> None
     takes it there (and an answer with no thought at all), never a bare answer after </think>."""
     import llguidance
 
-    from localrun.backends.loop import after_thought
     from localrun.constraint import Constraint
-    from localrun.tools.lark import resolve_specials
+    from localrun.tools.lark import after_thought, resolve_specials
 
     from .conftest import ASSETS
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -28,15 +27,15 @@ from localrun.errors import (
     UsageError,
 )
 from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
-from localrun.reasoning import Split, Splitter
-from localrun.tools.lark import regex_literal, special
+from localrun.reasoning import Splitter
+from localrun.tools.lark import after_thought
 
 
 class Sink(Protocol):
     """Where the loop sends what each request produces."""
 
     def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
-        """New answer text and, for a thinking model, new thought (passed only when there is some)."""
+        """New answer text and, for a thinking model, new thought ("" when there is none)."""
         ...
 
     def done(self, rid: Any, final: Chunk, text: str | None) -> None:
@@ -45,69 +44,6 @@ class Sink(Protocol):
         ...
 
     def error(self, rid: Any, error: LocalrunError) -> None: ...
-
-
-def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "") -> str:
-    """A grammar that lets a thinking model think first: an optional thought between the format's
-    markers (a required one when the prompt opened it), the text the format writes before its
-    answer (`answer_head`, e.g. Granite's <response>), then the original grammar. Free text
-    cannot run past the closing marker (the lexer is greedy), as tools.lark.thought() does."""
-    body = re.sub(r"(?m)^([?!]?)start(\s*:)", r"\1answer_start\2", lark)
-    c = regex_literal(closing)
-    head = "reasoning " if inside else f"({special(opening)} reasoning)? "
-    if answer_head:
-        head = f"({head}{special(answer_head)})? " if not inside else f"{head}{special(answer_head)} "
-    return (f"start: {head}answer_start\n"
-            f"reasoning: REASONING {special(closing)} REASONING_WS? | reasoning_lit REASONING_WS?\n"
-            "reasoning_lit[lazy]: REASONING_LIT\n"
-            f"REASONING: /(?s:.*)/ & ~/(?s:.*){c}(?s:.*)/\n"
-            f"REASONING_LIT: /(?s:.*){c}/\n"
-            "REASONING_WS: /[ \\t\\r\\n]+/\n" + body)
-
-
-class RawSplitter:
-    """A raw completion's splitter: the reply goes through the format's splitter only when it
-    starts with the format's opening marker; any other reply passes through untouched (leading
-    whitespace included, which the chat splitters trim)."""
-
-    def __init__(self, opening: tuple[str, ...], inner: Splitter) -> None:
-        self.opening, self.inner = opening, inner
-        self.buf = ""
-        self.mode = "undecided"  # then "split" or "plain"
-
-    @property
-    def in_thought(self) -> bool:
-        return self.mode == "split" and self.inner.in_thought
-
-    @property
-    def opened(self) -> bool:
-        return self.mode == "split" and self.inner.opened
-
-    @property
-    def closed(self) -> bool:
-        return self.mode == "split" and self.inner.closed
-
-    def feed(self, text: str) -> Split:
-        if self.mode == "split":
-            return self.inner.feed(text)
-        if self.mode == "plain":
-            return Split(answer=text)
-        self.buf += text
-        head = self.buf.lstrip()
-        if not head or any(o.startswith(head) for o in self.opening):
-            return Split()  # still undecided
-        buf, self.buf = self.buf, ""
-        if any(head.startswith(o) for o in self.opening):
-            self.mode = "split"
-            return self.inner.feed(buf)
-        self.mode = "plain"
-        return Split(answer=buf)
-
-    def flush(self) -> Split:
-        if self.mode == "split":
-            return self.inner.flush()
-        buf, self.buf = self.buf, ""
-        return Split(answer=buf) if buf else Split()
 
 
 def _lcp(a: list[int], b: list[int], limit: int) -> int:
@@ -215,7 +151,7 @@ class EngineLoop:
         tail = "".join(detok.feed(t) for t in tokens[-16:]) + detok.flush()
         inside = fmt.starts_inside(tail)
         if request.prompt is not None:  # raw: split only a thought the prompt or the reply opens
-            return (fmt.splitter(True) if inside else RawSplitter(fmt.opening, fmt.splitter())), params
+            return (fmt.splitter(True) if inside else fmt.raw_splitter()), params
         thinks = inside or request.think is not False or not fmt.can_switch_off
         if (params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing
                 and fmt.opening and fmt.grammar_after_thought):
@@ -405,10 +341,7 @@ class EngineLoop:
     def _emit(self, job: _Job, text: str, thinking: str = "") -> None:
         if job.stream:
             lps, job.lps = job.lps, []
-            if thinking:
-                self.sink.text(job.rid, text, lps, thinking)
-            else:
-                self.sink.text(job.rid, text, lps)
+            self.sink.text(job.rid, text, lps, thinking)
         else:
             job.parts.append(text)
             job.thought.append(thinking)

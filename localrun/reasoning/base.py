@@ -123,6 +123,10 @@ class ReasoningFormat:
         """An incremental splitter for one reply (start_inside: the prompt opened the thought)."""
         return MarkerSplitter(self.opening, self.closing, self.answer_markers, start_inside)
 
+    def raw_splitter(self) -> Splitter:
+        """A raw completion's splitter: only a reply that opens a thought itself is split."""
+        return RawSplitter(self.opening, self.splitter())
+
     def split(self, text: str, start_inside: bool = False) -> Split:
         """A whole reply split at once."""
         s = self.splitter(start_inside)
@@ -288,3 +292,48 @@ def thinking_switch(template: str, think: bool | str | None) -> Switch:
     if isinstance(think, str) and reads(template, "reasoning_effort"):
         names["reasoning_effort"] = think
     return Switch(MappingProxyType(names))
+
+
+class RawSplitter:
+    """A raw completion's splitter: the reply goes through the format's splitter only when it
+    starts with the format's opening marker; any other reply passes through untouched (leading
+    whitespace included, which the chat splitters trim)."""
+
+    def __init__(self, opening: tuple[str, ...], inner: Splitter) -> None:
+        self.opening, self.inner = opening, inner
+        self.buf = ""
+        self.mode = "undecided"  # then "split" or "plain"
+
+    @property
+    def in_thought(self) -> bool:
+        return self.mode == "split" and self.inner.in_thought
+
+    @property
+    def opened(self) -> bool:
+        return self.mode == "split" and self.inner.opened
+
+    @property
+    def closed(self) -> bool:
+        return self.mode == "split" and self.inner.closed
+
+    def feed(self, text: str) -> Split:
+        if self.mode == "split":
+            return self.inner.feed(text)
+        if self.mode == "plain":
+            return Split(answer=text)
+        self.buf += text
+        head = self.buf.lstrip()
+        if not head or any(o.startswith(head) for o in self.opening):
+            return Split()  # still undecided
+        buf, self.buf = self.buf, ""
+        if any(head.startswith(o) for o in self.opening):
+            self.mode = "split"
+            return self.inner.feed(buf)
+        self.mode = "plain"
+        return Split(answer=buf)
+
+    def flush(self) -> Split:
+        if self.mode == "split":
+            return self.inner.flush()
+        buf, self.buf = self.buf, ""
+        return Split(answer=buf) if buf else Split()

@@ -54,7 +54,7 @@ class DeepSeekR1(ToolFormat):
 
     def _prefix(self) -> tuple[str, str]:
         # The prompt ends inside <think>: the reply may finish that thought first.
-        return "(thought WS?)? ", thought(_DS["tool_calls_begin"])
+        return "(thought THOUGHT_WS?)? ", thought(_DS["tool_calls_begin"])
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         many = ' ("\\n" call)*' if parallel else ""

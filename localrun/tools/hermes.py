@@ -22,7 +22,7 @@ class Hermes(ToolFormat):
     def _prefix(self) -> tuple[str, str]:
         if not self.template or "<think>" not in self.template:
             return "", ""
-        return "think? ", f"think: {special('<think>')} thought WS?\n" + thought()
+        return "think? ", f"think: {special('<think>')} thought THOUGHT_WS?\n" + thought()
 
     def _calls(self, tools: list[Mapping[str, Any]], parallel: bool) -> str:
         many = ' ("\\n" call)*' if parallel else ""

@@ -33,13 +33,27 @@ def regex_literal(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
-def thought(before: str = "") -> str:
-    """Rules for `thought`: reasoning up to and including </think>. The lexer is greedy, so free
-    text must not be able to run past </think> as literal text (then `think_lit`, lazy, ends at it)
-    nor, when the reply may skip thinking, begin with the calls' opener `before`."""
+def thought(before: str = "", closing: str = "</think>", name: str = "thought") -> str:
+    """Rules for `name`: reasoning up to and including its closing marker, and `NAME_WS` for the
+    whitespace after it. The lexer is greedy, so free text must not be able to run past the marker
+    as literal text (then `name_lit`, lazy, ends at it) nor, when the reply may skip thinking,
+    begin with the calls' opener `before`. Rule names are the caller's, so that a grammar wrapped
+    in a thought may hold another thought of its own."""
     skip = f" & ~/{regex_literal(before)}(?s:.*)/" if before else ""
-    return (f"thought: THINK {special('</think>')} | think_lit\n"
-            "think_lit[lazy]: THINK_LIT\n"
-            f"THINK: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/{skip}\n"
-            f"THINK_LIT: /(?s:.*)<\\/think>/{skip}\n"
-            "WS: /[ \\t\\r\\n]+/\n")
+    c, up = regex_literal(closing), name.upper()
+    return (f"{name}: {up} {special(closing)} | {name}_lit\n"
+            f"{name}_lit[lazy]: {up}_LIT\n"
+            f"{up}: /(?s:.*)/ & ~/(?s:.*){c}(?s:.*)/{skip}\n"
+            f"{up}_LIT: /(?s:.*){c}/{skip}\n"
+            f"{up}_WS: /[ \\t\\r\\n]+/\n")
+
+
+def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "") -> str:
+    """A grammar that lets a thinking model think first: an optional thought between the format's
+    markers (a required one when the prompt opened it), the text the format writes before its
+    answer (`answer_head`, e.g. Granite's <response>), then the original grammar."""
+    body = re.sub(r"(?m)^([?!]?)start(\s*:)", r"\1answer_start\2", lark)
+    head = "reasoning REASONING_WS? " if inside else f"({special(opening)} reasoning REASONING_WS?)? "
+    if answer_head:
+        head = f"({head}{special(answer_head)})? " if not inside else f"{head}{special(answer_head)} "
+    return f"start: {head}answer_start\n" + thought(closing=closing, name="reasoning") + body
