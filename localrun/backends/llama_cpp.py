@@ -16,7 +16,14 @@ from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
-from localrun.backends.llama_loader import LOG, last_log_error, library, load_model, new_context
+from localrun.backends.llama_loader import (
+    LOG,
+    last_log_error,
+    libggml,
+    library,
+    load_model,
+    new_context,
+)
 from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.errors import (
     BadModelFileError,
@@ -585,19 +592,11 @@ class _BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def _cpu_buffer_type(ll: Any) -> int:
+def _cpu_buffer_type() -> int:
     """ggml's CPU buffer type (host memory), the one llama.cpp's own --cpu-moe override names."""
-    lib = ll.llama_cpp._lib  # libllama: ggml's symbols resolve through the libraries it links
-    try:
-        fn = lib.ggml_backend_cpu_buffer_type
-        fn.argtypes, fn.restype = [], ctypes.c_void_p
-        buft = fn()
-    except AttributeError:  # a build with ggml's CPU backend loaded apart: ask the device registry
-        by_type, dev_buft = lib.ggml_backend_dev_by_type, lib.ggml_backend_dev_buffer_type
-        by_type.argtypes, by_type.restype = [ctypes.c_int], ctypes.c_void_p
-        dev_buft.argtypes, dev_buft.restype = [ctypes.c_void_p], ctypes.c_void_p
-        dev = by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
-        buft = dev_buft(dev) if dev else None
+    lib = libggml()  # the CPU device's buffer type, from ggml's device registry
+    dev = lib.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    buft = lib.ggml_backend_dev_buffer_type(dev) if dev else None
     if not buft:
         raise EngineError("--cpu-moe: this llama.cpp build has no CPU buffer type", "run without --cpu-moe")
     return int(buft)
@@ -622,7 +621,7 @@ def _cpu_moe_overrides(ll: Any, model: ModelInfo, cpu_moe: int | str) -> tuple[A
         patterns = [EXPERT_TENSORS.encode()]
     else:
         patterns = [f"blk\\.{i}{EXPERT_TENSORS}".encode() for i in range(layers)]
-    buft = _cpu_buffer_type(ll)
+    buft = _cpu_buffer_type()
     arr = (_BuftOverride * (len(patterns) + 1))()  # zeroed: the last entry ends the list
     for entry, pattern in zip(arr, patterns, strict=False):
         entry.pattern, entry.buft = pattern, buft

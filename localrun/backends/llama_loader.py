@@ -8,6 +8,7 @@ module, so they read llama.cpp's log and report its failures the same way.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -166,3 +167,42 @@ def vocab_tokens(ll: Any, vocab: Any, data: bytes, add_special: bool, parse_spec
     if n < 0:
         raise EngineError(f"llama.cpp could not tokenize the text (code {n})")
     return list(buf[:n])
+
+
+class ThreadpoolParams(ctypes.Structure):
+    """struct ggml_threadpool_params (ggml/include/ggml-cpu.h)."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
+_VP = ctypes.c_void_p
+_SIGNATURES: tuple[tuple[str, Any, list[Any]], ...] = (
+    ("ggml_backend_reg_count", ctypes.c_size_t, []),
+    ("ggml_backend_reg_get", _VP, [ctypes.c_size_t]),
+    ("ggml_backend_reg_name", ctypes.c_char_p, [_VP]),
+    ("ggml_backend_reg_dev_count", ctypes.c_size_t, [_VP]),
+    ("ggml_backend_dev_by_type", _VP, [ctypes.c_int]),
+    ("ggml_backend_dev_buffer_type", _VP, [_VP]),
+    ("ggml_backend_dev_backend_reg", _VP, [_VP]),
+    ("ggml_backend_reg_get_proc_address", _VP, [_VP, ctypes.c_char_p]),
+    ("ggml_threadpool_params_default", ThreadpoolParams, [ctypes.c_int]),
+    ("ggml_tensor_overhead", ctypes.c_size_t, []),
+    ("ggml_op_name", ctypes.c_char_p, [ctypes.c_int]),
+    ("ggml_nbytes", ctypes.c_size_t, [_VP]),
+    ("ggml_backend_buffer_is_host", ctypes.c_bool, [_VP]),
+    ("ggml_backend_tensor_get", None, [_VP, _VP, ctypes.c_size_t, ctypes.c_size_t]),
+)
+
+
+@functools.cache
+def libggml() -> Any:
+    """The ggml library beside the loaded libllama (LLAMA_CPP_LIB_PATH included), with the calls
+    llama-cpp-python does not bind typed (backend registry, threadpools, tensors)."""
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    lib = load_shared_library("ggml", Path(library().llama_cpp._base_path))
+    for name, res, args in _SIGNATURES:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib

@@ -245,10 +245,10 @@ class _GlibcRand:
 
 
 class _Ggml:
-    """The threadpool and backend-name calls of llama-bench, through the workbench's libggml."""
+    """The threadpool and backend-name calls of llama-bench, through the loader's libggml."""
 
     def __init__(self, ll: Any) -> None:
-        from localrun.workbench.ggml import ThreadpoolParams, libggml
+        from localrun.backends.llama_loader import ThreadpoolParams, libggml
 
         lib = self.lib = libggml()
         vp = ctypes.c_void_p

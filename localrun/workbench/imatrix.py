@@ -303,8 +303,8 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> float:
 
 
 def _ggml_lib() -> Any:
-    """The workbench's libggml, after checking that this module's ggml_tensor layout is its own."""
-    from localrun.workbench.ggml import libggml
+    """The loader's libggml, after checking that this module's ggml_tensor layout is its own."""
+    from localrun.backends.llama_loader import libggml
 
     g = libggml()
     size = g.ggml_tensor_overhead() - _OBJECT_SIZE
