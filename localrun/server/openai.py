@@ -337,8 +337,10 @@ async def completions(body: CompletionRequest, request: HttpRequest) -> Response
         base = {**head, "object": "text_completion"}
         events = _sse_stream(_completion_events(run, jobs, base, body, echo), run, jobs, base, body.include_usage)
         return RunResponse(events, run, "text/event-stream")
-    texts, lps = await run.complete(_collect(run))
+    thoughts: dict[int, list[str]] = defaultdict(list)  # a raw prompt that opened a thought
+    texts, lps = await run.complete(_collect(run, thoughts))
     choices = [{"index": i, "text": echo[i] + texts.get(i, ""),
+                **({"reasoning_content": "".join(thoughts[i])} if thoughts.get(i) else {}),
                 "logprobs": _completion_logprobs(lps[i], 0) if body.logprobs is not None else None,
                 "finish_reason": _finish(run.finals[i].finish_reason)} for i in range(len(jobs))]
     return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": _usage(run, jobs)})
@@ -349,9 +351,10 @@ async def _completion_events(run: Run, jobs: list[Job], base: dict[str, Any], bo
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
     offsets = [0] * len(jobs)
 
-    def event(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        return _sse({**base, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                     **extra})
+    def event(i: int, text: str, finish: str | None = None, logprobs: Any = None, thinking: str = "") -> bytes:
+        thought = {"reasoning_content": thinking} if thinking else {}
+        return _sse({**base, "choices": [{"index": i, "text": text, **thought, "logprobs": logprobs,
+                                          "finish_reason": finish}], **extra})
 
     for i, text in enumerate(echo):
         if text:
@@ -359,10 +362,10 @@ async def _completion_events(run: Run, jobs: list[Job], base: dict[str, Any], bo
     async for i, chunk in run.items():
         if not chunk.done:
             lps = _logprobs_of(chunk)
-            if chunk.text or lps:
+            if chunk.text or lps or chunk.thinking:
                 logprobs = _completion_logprobs(lps, offsets[i]) if body.logprobs is not None else None
                 offsets[i] += len(chunk.text)
-                yield event(i, chunk.text, logprobs=logprobs)
+                yield event(i, chunk.text, logprobs=logprobs, thinking=chunk.thinking)
         else:
             yield event(i, "", _finish(chunk.finish_reason))
 

@@ -96,6 +96,20 @@ def test_openai_reasoning_content_in_the_message_and_the_deltas(served: Served) 
     assert "".join(d.content or "" for d in deltas) == message.content
 
 
+def test_openai_completions_keep_the_thought_a_raw_prompt_opened(served: Served) -> None:
+    """A raw prompt ending inside a thought: the thought comes back as the choice's
+    reasoning_content (whole and streamed), never dropped."""
+    client = served.openai()
+    args = {"model": "r1:tiny", "prompt": "Why is the sky blue?<think>\n", "temperature": 1.0, "seed": 3,
+            "max_tokens": 16}
+    choice = client.completions.create(**args).choices[0]
+    reasoning = (choice.model_extra or {}).get("reasoning_content")
+    assert reasoning and "<think>" not in reasoning
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join((c.model_extra or {}).get("reasoning_content") or "" for c in chunks) == reasoning
+    assert "".join(c.text for c in chunks) == choice.text
+
+
 def test_openai_switches_reach_the_template(served: Served) -> None:
     # Qwen3's template writes an empty, closed thought into the prompt when thinking is off:
     # chat_template_kwargs and reasoning_effort "none" both turn it off (4 more prompt tokens).
