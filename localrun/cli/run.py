@@ -91,12 +91,11 @@ def _check_think(model: ModelInfo, engine: str, think: bool | str | None) -> Non
     """Thinking asked of a model that cannot think is refused, as serve's 400 does; thinking off on
     a template that always thinks (gpt-oss) is said once, and its thought still kept apart."""
     from localrun import api
-    from localrun.reasoning import detect
 
     if think is None:
         return
     check_think(model, engine, think)
-    fmt = detect(api.chat_template(model)) if think is False else None
+    fmt = api.reasoning_format(model) if think is False else None
     if fmt is not None and not fmt.can_switch_off:
         print(f"localrun: {model.name} always thinks (its chat template cannot switch thinking off); "
               "its thought is kept apart from the answer", file=sys.stderr)
