@@ -49,8 +49,11 @@ def test_localrun_binary_in_tmux(starter: Path, isolated_home: Path) -> None:
         wait_screen(session, lambda s: "Message (Enter sends" in s, "the chat screen")
         tmux("send-keys", "-t", session, "-l", "What is the opposite of hot?")
         tmux("send-keys", "-t", session, "Enter")
-        screen = wait_screen(session, lambda s: "│ ready │" in s and "tok/s" in s, "the reply")
-        assert "What is the opposite of hot?" in screen
+        # the message shows in the conversation as it is sent (the input is empty again); a long
+        # reply may scroll it out of the 24 rows later, so it is looked for first
+        wait_screen(session, lambda s: "What is the opposite of hot?" in s and "Message (Enter sends" in s,
+                    "the sent message")
+        wait_screen(session, lambda s: "│ ready │" in s and "tok/s" in s, "the reply")
         tmux("send-keys", "-t", session, "C-c")
         screen = wait_screen(session, lambda s: "EXITED-" in s, "the app to quit")
         assert "EXITED-0" in screen and "Traceback" not in screen
