@@ -176,12 +176,12 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     from tests.thinking_models import TEMPLATE, make_thinker
 
     folder = tmp_path_factory.mktemp("thinkers")
-    made: dict[Path, Path] = {}
+    made: dict[tuple[Path, tuple[str, ...]], Path] = {}
 
-    def get(template: Path = TEMPLATE) -> Path:
-        if template not in made:
-            made[template] = make_thinker(folder, template=template)
-        return made[template]
+    def get(template: Path = TEMPLATE, special_tokens: tuple[str, ...] = ()) -> Path:
+        if (template, special_tokens) not in made:
+            made[template, special_tokens] = make_thinker(folder, template=template, special_tokens=special_tokens)
+        return made[template, special_tokens]
 
     return get
 

@@ -24,18 +24,26 @@ TEMPLATE = ASSETS / "chat-templates" / "Qwen-Qwen3-0.6B.jinja"
 R1_TEMPLATE = ASSETS / "chat-templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
 
 
-def make_thinker(folder: Path, seed: int = 0, template: Path = TEMPLATE) -> Path:
+# gpt-oss's harmony markup: special tokens of its vocabulary, added to the Qwen3 one for its template
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+def make_thinker(folder: Path, seed: int = 0, template: Path = TEMPLATE, special_tokens: tuple[str, ...] = ()) -> Path:
     """A 2-layer Qwen3 (hidden 64) with the Qwen3 tokenizer and a thinking template (Qwen3's by
     default), as an F32 GGUF; returns its path. The Hugging Face checkpoint is kept beside it, at
-    the path without the suffix."""
+    the path without the suffix. special_tokens are added to the vocabulary as special tokens
+    (the template's markup where the real model has it as such, as gpt-oss does)."""
     import torch
     import transformers as tf
 
     from localrun import api
 
-    ckpt = folder / f"tiny-{template.stem}"
+    name = f"tiny-{template.stem}" + ("-special" if special_tokens else "")
+    ckpt = folder / name
     tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(TOKENIZER)))
     tok.chat_template = assets_or_skip(template).read_text()
+    if special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     config = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=2048,
                             rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -45,7 +53,7 @@ def make_thinker(folder: Path, seed: int = 0, template: Path = TEMPLATE) -> Path
     model.eval()
     model.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
-    out = folder / f"tiny-{template.stem}.gguf"
+    out = folder / f"{name}.gguf"
     api.convert_checkpoint(ckpt, out, outtype="f32")
     return out
 

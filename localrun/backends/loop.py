@@ -153,10 +153,9 @@ class EngineLoop:
         if request.prompt is not None:  # raw: split only a thought the prompt or the reply opens
             return (fmt.splitter(True) if inside else fmt.raw_splitter()), params
         thinks = inside or request.think is not False or not fmt.can_switch_off
-        if (params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing
-                and fmt.opening and fmt.grammar_after_thought):
+        if params.grammar is not None and params.grammar_trigger is None and thinks and fmt.closing and fmt.opening:
             params = dataclasses.replace(params, grammar=after_thought(params.grammar, fmt.opening[0], fmt.closing,
-                                                                       inside, fmt.answer_head))
+                                                                       inside, fmt.answer_head, fmt.closing_gap))
         return fmt.splitter(inside), params
 
     def cancel(self, rid: Any) -> None:

@@ -80,12 +80,11 @@ class ReasoningFormat:
     answer_markers: ClassVar[tuple[str, ...]] = ()
     # the template variables that turn thinking off, in the order they are looked for
     switched_by: ClassVar[tuple[str, ...]] = ()
-    # what the model writes between its thought and its answer; whether a grammar on the answer can
-    # follow a thought (False: the grammar holds from the first token and the model does not think)
-    answer_head: ClassVar[str] = ""
-    grammar_after_thought: ClassVar[bool] = True
-    # what the model writes right after the closing marker (before answer_head), such as "\n\n"
+    # what the model writes right after the closing marker, such as "\n\n" (harmony: the next
+    # message's start), and then before its answer (Granite's <response>, harmony's final header);
+    # a grammar on the answer holds after both
     closing_gap: ClassVar[str] = ""
+    answer_head: ClassVar[str] = ""
 
     def __init__(self, template: str = "") -> None:
         self.template = template

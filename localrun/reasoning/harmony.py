@@ -35,10 +35,9 @@ class Harmony(ReasoningFormat):
     name: ClassVar[str] = "harmony"
     opening: ClassVar[tuple[str, ...]] = ("<|channel|>analysis<|message|>",)
     closing: ClassVar[str] = "<|end|>"
-    answer_head: ClassVar[str] = "<|start|>assistant<|channel|>final<|message|>"
-    # the answer's channel header is several special tokens a grammar cannot spell yet: a schema
-    # holds the reply from its first token
-    grammar_after_thought: ClassVar[bool] = False
+    # after the analysis message the next one starts; the answer is the final channel's message
+    closing_gap: ClassVar[str] = "<|start|>assistant"
+    answer_head: ClassVar[str] = "<|channel|>final<|message|>"
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:

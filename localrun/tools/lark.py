@@ -28,6 +28,16 @@ def special(text: str) -> str:
     return f"<<special:{text}>>"
 
 
+_MARKUP = re.compile(r"(<\|[^|<>]+\|>)")
+
+
+def specials(text: str) -> str:
+    """text as Lark, cut at each `<|NAME|>` in it, every piece a special-token placeholder (one
+    token where the vocabulary has it as one, else literal text): a harmony header is several
+    special tokens with words between them."""
+    return " ".join(special(p) for p in _MARKUP.split(text) if p)
+
+
 def regex_literal(text: str) -> str:
     """text as a literal inside a Lark /regex/."""
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
@@ -48,12 +58,17 @@ def thought(before: str = "", closing: str = "</think>", name: str = "thought") 
             f"{up}_WS: /[ \\t\\r\\n]+/\n")
 
 
-def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "") -> str:
+def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "",
+                  gap: str = "") -> str:
     """A grammar that lets a thinking model think first: an optional thought between the format's
-    markers (a required one when the prompt opened it), the text the format writes before its
-    answer (`answer_head`, e.g. Granite's <response>), then the original grammar."""
+    markers (a required one when the prompt opened it), what it writes after the closing marker
+    (`gap`, where that is more than whitespace, e.g. harmony's next <|start|>assistant), the text
+    the format writes before its answer (`answer_head`, e.g. Granite's <response>, harmony's final
+    channel header), then the original grammar. Markers are spelled with `specials`, so a header
+    of several special tokens (harmony's) is those tokens."""
     body = re.sub(r"(?m)^([?!]?)start(\s*:)", r"\1answer_start\2", lark)
-    head = "reasoning REASONING_WS? " if inside else f"({special(opening)} reasoning REASONING_WS?)? "
+    after = f"REASONING_WS? {specials(gap)} " if gap.strip() else "REASONING_WS? "
+    head = f"reasoning {after}" if inside else f"({specials(opening)} reasoning {after})? "
     if answer_head:
-        head = f"({head}{special(answer_head)})? " if not inside else f"{head}{special(answer_head)} "
+        head = f"({head}{specials(answer_head)})? " if not inside else f"{head}{specials(answer_head)} "
     return f"start: {head}answer_start\n" + thought(closing=closing, name="reasoning") + body
