@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -133,17 +134,28 @@ TEMPLATE_MIN_OUTPUT = 4 << 20  # characters; a prompt may be larger when its mes
 TEMPLATE_OUTPUT_FACTOR = 8  # ... up to this many times the characters of the messages and tools
 
 
+LIST_CHANGES = frozenset({"append", "pop"})  # what real templates do to lists they made
+
+
 class _TemplateLimit(Exception):
     """A render went past a limit (time or size)."""
 
 
 def _limited_env() -> Any:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
     class Limited(ImmutableSandboxedEnvironment):  # type: ignore[misc]
-        """The immutable sandbox, refusing the operators that build huge values in one step."""
+        """The immutable sandbox, refusing the operators that build huge values in one step, with
+        one opening: a list may be appended to and popped from (Kimi K2's templates queue tool call
+        ids that way). Every render gets its own copy of the messages and tools, so what a template
+        changes is its own."""
 
         intercepted_binops = frozenset({"*", "**"})
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            if isinstance(obj, list) and attr in LIST_CHANGES:
+                return bool(SandboxedEnvironment.is_safe_attribute(self, obj, attr, value))
+            return bool(super().is_safe_attribute(obj, attr, value))
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             limit = _LIMITS.output
@@ -237,7 +249,8 @@ def render_template(
 
     from jinja2.exceptions import SecurityError, TemplateError
 
-    data = [m.to_dict(history_field) for m in messages]
+    data = copy.deepcopy([m.to_dict(history_field) for m in messages])
+    extra = copy.deepcopy(extra)
     size = sum(len(m.content) + len(m.thinking) for m in messages) + (len(json.dumps(extra, default=str)) if extra else 0)
     limit = max(TEMPLATE_MIN_OUTPUT, TEMPLATE_OUTPUT_FACTOR * size)
     previous = sys.gettrace()

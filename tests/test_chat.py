@@ -58,7 +58,7 @@ SSTI = [
     "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
     "{{ self._TemplateReference__context.joiner.__init__.__globals__.os }}",
     "{{ messages.__class__.__base__.__subclasses__() }}",
-    "{% set x = messages.append({'role': 'user', 'content': 'pwned'}) %}{{ messages }}",
+    "{% set x = messages[0].update({'content': 'pwned'}) %}{{ messages }}",
     "{{ lipsum.__globals__['os'].system('true') }}",
     "{{ namespace.__init__.__globals__ }}",
 ]
@@ -70,6 +70,52 @@ def test_template_injection_is_refused(payload: str) -> None:
         render_template(payload, [Message("user", "hi")])
     assert "refused" in str(e.value) or "failed" in str(e.value)
     reliability.inputs("chat template")
+
+
+def _mutable_reference(source: str, messages: list[dict[str, object]], **kw: object) -> str:
+    """transformers' own rendering, in jinja2's mutable sandbox (its immutable one refuses these
+    templates as localrun's did)."""
+    from unittest import mock
+
+    import jinja2.sandbox
+    from transformers.utils import chat_template_utils as ctu
+
+    ctu._compile_jinja_template.cache_clear()
+    try:
+        with mock.patch.object(ctu, "ImmutableSandboxedEnvironment", jinja2.sandbox.SandboxedEnvironment):
+            return str(ctu.render_jinja_template(conversations=[messages], chat_template=source, **kw)[0][0])
+    finally:
+        ctu._compile_jinja_template.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["Kimi-K2-Thinking", "Kimi-K2-Instruct"])
+def test_templates_that_queue_tool_call_ids_in_a_list_render(name: str) -> None:
+    """Kimi K2's templates append each call's id to a list of their own and pop it for the tool's
+    result: the sandbox lets a template change lists, on its own copy of the messages, so the
+    conversation renders as transformers renders it in a mutable sandbox, and the caller's
+    messages stay as they were."""
+    from .test_reasoning import templates
+
+    source = templates()[name]
+    conversation: list[dict[str, object]] = [
+        {"role": "user", "content": "Weather in Bern and the time?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Two calls.", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'}},
+            {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "12 C"},
+        {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "noon"}]
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "get_time")]
+    messages = parse_messages(conversation)
+    before = [m.to_dict("reasoning_content") for m in messages]
+    ours = render_template(source, messages, history_field="reasoning_content", tools=tools)
+    assert ours == _mutable_reference(source, before, add_generation_prompt=True, tools=tools)
+    assert "## Return of functions.get_weather:0\n12 C" in ours and "## Return of functions.get_time:1\nnoon" in ours
+    assert [m.to_dict("reasoning_content") for m in messages] == before
+    # what a template appends to the messages it was given stays in its own copy
+    appended = "{% set _ = messages.append({'role': 'user', 'content': 'more'}) %}{{ messages | length }}"
+    assert render_template(appended, messages) == "5" and len(messages) == 4
 
 
 def test_template_raise_exception_is_an_error() -> None:
