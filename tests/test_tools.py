@@ -529,3 +529,21 @@ def test_starter_model_calls_a_tool_through_the_engine(starter: Path) -> None:
     events = [e for p in pieces for e in s.feed(p)] + s.flush()
     assert [e[3] for e in events if e[0] == "call" and e[3]] == ["get_weather"]
     assert "".join(e[4] or "" for e in events if e[0] == "call") == calls[0].to_openai()["function"]["arguments"]
+
+
+@pytest.mark.parametrize("name", ["ByteDance-Seed-OSS", "openbmb-MiniCPM5-1B"])
+def test_the_generic_format_keeps_an_earlier_call_s_thought(name: str) -> None:
+    """A thinking model whose template has no tool syntax of its own gets calls as JSON text; the
+    turn that made the call keeps its thought, which the template shows where it reads it."""
+    from localrun import reasoning
+    from tests.test_reasoning import templates
+
+    source = templates()[name]
+    fmt, thinking = tools.detect_format(source), reasoning.detect(source)
+    assert fmt.name == "generic" and thinking is not None and thinking.history_field
+    conversation = [CONVERSATION[1], {"role": "assistant", "content": "", "thinking": "I should ask for Zürich's weather.",
+                                      "tool_calls": CONVERSATION[2]["tool_calls"]}, CONVERSATION[3]]
+    prepared = fmt.prepare(parse_messages(conversation), TOOLS)
+    assert prepared[-2].thinking == "I should ask for Zürich's weather." and '"tool_calls"' in prepared[-2].content
+    prompt = render_template(source, prepared, history_field=thinking.history_field)
+    assert "I should ask for Zürich's weather." in prompt

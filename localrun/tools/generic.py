@@ -79,7 +79,7 @@ def _generic_history(messages: Sequence[Message], tool_role: bool) -> list[Messa
             obj: dict[str, Any] = {"tool_calls": plain_calls(m)}
             if m.content.strip():
                 obj["content"] = m.content
-            m = Message("assistant", json.dumps(obj, ensure_ascii=False))
+            m = replace(m, content=json.dumps(obj, ensure_ascii=False), tool_calls=())  # its thought stays
         elif result:
             name = m.name or names.get(m.tool_call_id or "")
             response = {"tool": name, "content": m.content} if name else {"content": m.content}
