@@ -3,7 +3,7 @@ C++ llama-server, on the same model file, measured in the same run.
 
     python benchmarks/bench_serve.py [--model NAME] [--clients 1,16] [--rounds 3] [--tokens 64]
         [--servers localrun,llama-cpp-python,llama-server] [--requests-per-client 2] [--ctx 1024]
-        [--threads N] [--flash-attn on|off] [--gpu-layers N] [--json FILE]
+        [--threads N] [--flash-attn on|off] [--gpu-layers N] [--baseline REV] [--json FILE]
 
 Each client is one async httpx client that POSTs /v1/chat/completions (stream, greedy, max_tokens
 --tokens, its own user prompt) --requests-per-client times. Each round starts each server in turn
@@ -27,6 +27,14 @@ kept in the JSON, never used to rank it).
 Targets (medians of per-round ratios): at 16 clients localrun >= 1.8x llama-cpp-python's server
 and >= 1.0x llama-server in aggregate tok/s; at 1 client localrun serve's decode >= 0.97x
 `localrun run`'s.
+
+--baseline REV adds `localrun@REV`: the same `localrun serve` from a git worktree of REV (its
+package first on PYTHONPATH, the same venv), measured in the same rounds, so a change is timed
+before and after on one machine at one time. Then the targets are: localrun >= 0.97x localrun@REV
+in aggregate tok/s at every level, in decode at 1 client, and in time to first token at 1 client
+(the ratio is REV's TTFT over ours). A stream's delivered text is its content and its
+reasoning_content (a thinking model's thought), so a version that splits the thought off and one
+that does not deliver the same tokens.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class Config:
     gpu_layers: int | None
     parallel: int
     ready_timeout: float
+    baseline_tree: str | None = None  # the worktree of --baseline's revision
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-serve-")))
 
 
@@ -134,17 +143,24 @@ def free_port() -> int:
 
 # ---- servers ---------------------------------------------------------------------------------
 
-def _help_text(cmd: list[str]) -> str:
-    res = subprocess.run([*cmd, "--help"], capture_output=True, text=True)
+def _help_text(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    res = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                         cwd=env["PYTHONPATH"].split(os.pathsep)[0] if env else None)
     return res.stdout + res.stderr
+
+
+def baseline_env(cfg: Config) -> dict[str, str]:
+    """The environment that runs localrun from the baseline's worktree instead of this checkout."""
+    assert cfg.baseline_tree is not None
+    return {"PYTHONPATH": os.pathsep.join(p for p in (cfg.baseline_tree, os.environ.get("PYTHONPATH")) if p)}
 
 
 def server_command(name: str, cfg: Config, port: int) -> tuple[list[str], str]:
     """The command line that starts one server, and the path that answers 200 once it is ready."""
     fa_on = cfg.flash_attn == "on"
-    if name == "localrun":
+    if name == "localrun" or name.startswith("localrun@"):
         base = [sys.executable, "-m", "localrun", "serve"]
-        help_text = _help_text(base)
+        help_text = _help_text(base, baseline_env(cfg) if name != "localrun" else None)
         if "--parallel" not in help_text:
             raise SystemExit(f"`localrun serve` is not available here:\n{help_text.strip()[-500:]}")
         cmd = [*base, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(cfg.parallel)]
@@ -191,8 +207,11 @@ class Server:
 
     def __enter__(self) -> Server:
         self.log = self.log_path.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               **(baseline_env(self.cfg) if self.name.startswith("localrun@") else {})}
+        # the baseline runs in its worktree: `python -m` puts the working directory first on sys.path
+        cwd = self.cfg.baseline_tree if self.name.startswith("localrun@") else None
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                      start_new_session=True)
         try:
             self.wait_ready()
@@ -257,7 +276,8 @@ async def one_request(client: Any, cfg: Config, i: int, max_tokens: int) -> dict
             if chunk.get("usage"):
                 usage = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or ():
-                if content := (choice.get("delta") or {}).get("content"):
+                delta = choice.get("delta") or {}
+                if content := (delta.get("reasoning_content") or "") + (delta.get("content") or ""):
                     stamps.append(time.perf_counter())
                     parts.append(content)
                 finish = choice.get("finish_reason") or finish
@@ -381,8 +401,20 @@ def measure_run(cfg: Config) -> Result:
 
 # ---- report ----------------------------------------------------------------------------------
 
-def summarize(rounds: list[list[Result]]) -> tuple[dict[tuple[str, int], dict[str, float]], list[dict[str, Any]]]:
-    """Medians per (server, clients) over rounds, and the target ratios (medians of per-round ratios)."""
+def baseline_targets(baseline: str, clients: list[int]) -> tuple[tuple[str, int, str, str, str, float], ...]:
+    """This checkout against --baseline's: throughput at every level, decode and TTFT at 1 client."""
+    label = f"localrun / {baseline}"
+    out = [(label, n, "localrun", baseline, "tok_s", 0.97) for n in clients]
+    if 1 in clients:
+        out += [(label, 1, "localrun", baseline, "decode_tok_s", 0.97),
+                (f"{baseline} / localrun TTFT", 1, baseline, "localrun", "ttft_p50", 0.97)]
+    return tuple(out)
+
+
+def summarize(rounds: list[list[Result]], targets: tuple[tuple[str, int, str, str, str, float], ...] = TARGETS,
+              ) -> tuple[dict[tuple[str, int], dict[str, float]], list[dict[str, Any]]]:
+    """Medians per (server, clients) over rounds, and the target ratios (medians of per-round ratios).
+    A TTFT ratio is written slower over faster (numerator and denominator swapped in its target)."""
     by: dict[tuple[str, int], list[Result]] = {}
     for rnd in rounds:
         for r in rnd:
@@ -391,7 +423,7 @@ def summarize(rounds: list[list[Result]]) -> tuple[dict[tuple[str, int], dict[st
                for m in ("tok_s", "ttft_p50", "ttft_p95", "decode_tok_s", "tokens", "chunks", "requests")}
            for k, rs in by.items()}
     ratios = []
-    for label, clients, num, den, measure, target in TARGETS:
+    for label, clients, num, den, measure, target in targets:
         per_round = []
         for rnd in rounds:
             a = next((getattr(r, measure) for r in rnd if (r.server, r.clients) == (num, clients)), None)
@@ -431,7 +463,7 @@ def print_table(cfg: Config, names: list[str], med: dict[tuple[str, int], dict[s
     if ratios:
         print(f"\n{'ratio (median of per-round ratios)':<48}{'clients':>8}{'value':>8}{'target':>9}{'':>6}")
         for r in ratios:
-            what = "tok/s" if r["measure"] == "tok_s" else "decode"
+            what = {"tok_s": "tok/s", "decode_tok_s": "decode", "ttft_p50": ""}[r["measure"]]
             print(f"{r['ratio'] + ' ' + what:<48}{r['clients']:>8}{r['value']:>8.2f}{'>= ' + str(r['target']):>9}"
                   f"{'PASS' if r['pass'] else 'MISS':>6}")
 
@@ -450,8 +482,32 @@ def main() -> int:
     ap.add_argument("--gpu-layers", type=int, default=None, help="layers to offload (default: each server's own)")
     ap.add_argument("--no-run", action="store_true", help="skip the in-process `localrun run` reference")
     ap.add_argument("--ready-timeout", type=float, default=180)
+    ap.add_argument("--baseline", metavar="REV", help="also time `localrun serve` as of this git revision")
     ap.add_argument("--json", type=Path, help="write the configuration, every round and the summary here")
     args = ap.parse_args()
+    if args.baseline:
+        return with_baseline(args, ap)
+    return bench(args, ap)
+
+
+def with_baseline(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    """Check REV out into a temporary worktree, run the benchmark with it, remove the worktree."""
+    root = HERE.parent
+    rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", args.baseline], capture_output=True,
+                         text=True)
+    if rev.returncode != 0:
+        ap.error(f"--baseline {args.baseline}: not a revision of {root} ({rev.stderr.strip()})")
+    tree = Path(tempfile.mkdtemp(prefix="bench-serve-baseline-")) / "tree"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), rev.stdout.strip()],
+                   check=True, capture_output=True)
+    try:
+        return bench(args, ap, f"localrun@{rev.stdout.strip()}", str(tree))
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
+def bench(args: argparse.Namespace, ap: argparse.ArgumentParser, baseline: str | None = None,
+          tree: str | None = None) -> int:
 
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [s for s in names if s not in SERVERS]
@@ -465,7 +521,13 @@ def main() -> int:
     cfg = Config(model=args.model, path=str(api.get_model(args.model).path), tokens=args.tokens, clients=clients,
                  requests_per_client=args.requests_per_client, ctx=args.ctx,
                  threads=args.threads or default_threads(), flash_attn=args.flash_attn, gpu_layers=args.gpu_layers,
-                 parallel=max(clients), ready_timeout=args.ready_timeout)
+                 parallel=max(clients), ready_timeout=args.ready_timeout, baseline_tree=tree)
+    if baseline is not None:
+        where = subprocess.run([sys.executable, "-c", "import localrun; print(localrun.__file__)"], text=True,
+                               capture_output=True, env={**os.environ, **baseline_env(cfg)}, cwd=tree).stdout.strip()
+        if not where.startswith(str(tree)):
+            raise SystemExit(f"{baseline} would import localrun from {where}, not from its worktree {tree}")
+        names = [*names, baseline]
     if "llama-server" in names:
         from llama_tools import llama_server_binary
 
@@ -479,7 +541,8 @@ def main() -> int:
         for name in order:
             rnd += [measure_run(cfg)] if name == RUN else measure_server(name, cfg)
         rounds.append(rnd)
-    med, ratios = summarize(rounds)
+    targets = baseline_targets(baseline, clients) if baseline is not None else TARGETS
+    med, ratios = summarize(rounds, targets)
     print_table(cfg, names, med, ratios, args.rounds)
     reported = {name: [(r.tokens, r.usage_tokens) for rnd in rounds for r in rnd if r.server == name] for name in turns}
     print("tokens delivered: every stream's content tokenized with the model's vocabulary, for every server alike;"
