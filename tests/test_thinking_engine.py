@@ -90,3 +90,17 @@ def test_a_schema_applies_after_the_thought(r1: InProcess, qwen3: InProcess) -> 
     # Thinking off: the schema holds from the first token, nothing is thought.
     chunks, thinking, answer = run(qwen3, ask(False), grammar=lark, max_tokens=60)
     assert thinking == "" and json.loads(answer) in ({"ok": True}, {"ok": False})
+
+
+def test_an_answer_follows_the_thought_within_the_reply_s_budget(qwen3: InProcess) -> None:
+    """After its thought the grammar allows only a little whitespace: unbounded, sampled replies
+    spent their whole max_tokens on whitespace after </think> and ended with no answer (3 of these
+    8 seeds did)."""
+    from localrun.constraint import Constraint
+
+    choice = Constraint.choice(["yes", "plain"]).grammar
+    for seed in range(1, 9):
+        chunks, thinking, answer = run(qwen3, ask(True), grammar=choice, max_tokens=30, think_budget=3,
+                                       temperature=1.0, seed=seed)
+        assert chunks[-1].finish_reason == "stop" and answer in ("yes", "plain"), (seed, thinking, answer)
+        assert chunks[-1].thinking_tokens <= 3

@@ -43,19 +43,24 @@ def regex_literal(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
+# The most whitespace between a thought and what follows it: unbounded, a model (or a sampled
+# reply) could spend its whole budget there and never answer.
+THOUGHT_GAP = 8
+
+
 def thought(before: str = "", closing: str = "</think>", name: str = "thought") -> str:
     """Rules for `name`: reasoning up to and including its closing marker, and `NAME_WS` for the
     whitespace after it. The lexer is greedy, so free text must not be able to run past the marker
     as literal text (then `name_lit`, lazy, ends at it) nor, when the reply may skip thinking,
-    begin with the calls' opener `before`. Rule names are the caller's, so that a grammar wrapped
-    in a thought may hold another thought of its own."""
+    begin with the calls' opener `before`. `NAME_WS` is at most THOUGHT_GAP characters. Rule names
+    are the caller's, so that a grammar wrapped in a thought may hold another thought of its own."""
     skip = f" & ~/{regex_literal(before)}(?s:.*)/" if before else ""
     c, up = regex_literal(closing), name.upper()
     return (f"{name}: {up} {special(closing)} | {name}_lit\n"
             f"{name}_lit[lazy]: {up}_LIT\n"
             f"{up}: /(?s:.*)/ & ~/(?s:.*){c}(?s:.*)/{skip}\n"
             f"{up}_LIT: /(?s:.*){c}/{skip}\n"
-            f"{up}_WS: /[ \\t\\r\\n]+/\n")
+            f"{up}_WS: /[ \\t\\r\\n]{{1,{THOUGHT_GAP}}}/\n")
 
 
 def after_thought(lark: str, opening: str, closing: str, inside: bool, answer_head: str = "",
