@@ -102,6 +102,26 @@ def test_a_closing_path_completes_from_every_prefix(tokenizer: Any, schema: dict
             assert m.consume_token(ids[n])
 
 
+@pytest.mark.parametrize("lark", [Constraint.choice(["yes", "plain", "Reykjavik"]).grammar,
+                                  'start: /[0-9]{3}-[A-Z]{2}/',
+                                  Constraint.schema({"enum": ["north", "south"]}).grammar],
+                         ids=["choice", "pattern", "enum"])
+def test_a_closing_path_completes_a_grammar_that_starts_with_no_json_closer(tokenizer: Any, lark: str) -> None:
+    """A choice or pattern whose first character is none of the JSON closers (a quote, a bracket,
+    a digit...) is closed with any printable character it allows: the closing path ended at None
+    there, and a reply cut by its budget ended unparsed."""
+    import llguidance
+
+    from localrun.backends.grammar import Grammars
+
+    grammars = Grammars(lambda: tokenizer, lambda text: None, tokenizer.vocab_size, lambda t: "")
+    m = grammars.matcher(lark)
+    path = grammars.closing(m, 50)
+    assert path is not None
+    check = llguidance.LLMatcher(tokenizer, lark, log_level=0)
+    assert check.consume_tokens(path) and check.is_accepting(), tokenizer.decode_str(path)
+
+
 def _batch(cli: Any, starter: Path, tmp_path: Path, rows: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))

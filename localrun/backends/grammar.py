@@ -29,6 +29,8 @@ _CANDIDATES = 8
 # Closers outside a string (brackets before a new string or number) and inside one.
 _OUTSIDE = '}]"0,:tfn-.1{[ a'
 _INSIDE = '"a0}],:tfn-.1{[ '
+# Then any printable character (a choice or a pattern that starts with none of the above).
+_ANY = "".join(chr(c) for c in range(32, 127))
 
 
 class Grammars:
@@ -43,7 +45,7 @@ class Grammars:
         self.n_vocab = n_vocab
         self.piece = piece  # a token's text, control tokens included (for triggers)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._closers: tuple[list[int], list[int], int | None] | None = None
+        self._closers: tuple[list[int], list[int], list[int], int | None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -74,9 +76,10 @@ class Grammars:
         matcher = self.matcher(lark)  # compile now: a bad grammar fails this request before it runs
         return GrammarState(self, lark, trigger, None if trigger else matcher, budget)
 
-    def closers(self) -> tuple[list[int], list[int], int | None]:
+    def closers(self) -> tuple[list[int], list[int], list[int], int | None]:
         """Single-character tokens tried, in order, to close a reply: outside a string, inside
-        one, and the token of a letter (allowed almost only inside strings)."""
+        one, then any printable character, and the token of a letter (allowed almost only inside
+        strings)."""
         if self._closers is None:
             tokenize = self.tokenizer.tokenize_str
 
@@ -89,7 +92,7 @@ class Grammars:
                 return out
 
             letter = ids("a")
-            self._closers = (ids(_OUTSIDE), ids(_INSIDE), letter[0] if letter else None)
+            self._closers = (ids(_OUTSIDE), ids(_INSIDE), ids(_ANY), letter[0] if letter else None)
         return self._closers
 
     def closing(self, matcher: Any, limit: int) -> list[int] | None:
@@ -97,7 +100,7 @@ class Grammars:
         when none of at most `limit` tokens is found. Forced text is taken as the grammar's own
         tokens; elsewhere the first allowed closer (a quote, a bracket, a digit...) is taken."""
         m = matcher.deep_copy()
-        outside, inside, letter = self.closers()
+        outside, inside, anything, letter = self.closers()
         path: list[int] = []
         while not m.is_accepting():
             if len(path) > limit or m.is_stopped() or m.is_error():
@@ -108,7 +111,7 @@ class Grammars:
                 path.extend(forced)
                 continue
             in_text = letter is not None and m.validate_tokens([letter]) == 1
-            for t in inside if in_text else outside:
+            for t in [*(inside if in_text else outside), *anything]:
                 if m.validate_tokens([t]) == 1:
                     m.consume_token(t)
                     path.append(t)
