@@ -20,11 +20,15 @@ from tests.convert.convert_helpers import (
     llama_cpp_converter_dir,
     need_asset,
 )
-from tests.reasoning_cases import ANSWER, CASES, THOUGHT, Case
+from tests.reasoning_cases import ANSWER, CASES, OWN_CASES, THOUGHT, Case
 from tests.test_families import defined_in
 
 # Every real template of llama.cpp's collection that thinks, with its format; the others cannot.
 THINKING = {
+    "Apertus-8B-Instruct": "apertus", "Apriel-1.6-15b-Thinker-fixed": "apriel", "unsloth-Apriel-1.5": "apriel",
+    "google-gemma-4-31B-it": "gemma4", "google-gemma-4-31B-it-interleaved": "gemma4", "Kimi-K3": "kimi-k3",
+    "MiniMax-M3": "minimax-m3", "muse-glimmer": "glimmer", "tencent-Hy3": "hy3",
+    "upstage-Solar-Open-100B": "solar-open",
     "Bielik-11B-v3.0-Instruct": "think", "ByteDance-Seed-OSS": "seed", "Cohere2MoE": "command-r",
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command-r", "GLM-4.6": "think",
     "GLM-4.7-Flash": "think", "HuggingFaceTB-SmolLM3-3B": "think", "Kimi-K2-Thinking": "think",
@@ -159,17 +163,114 @@ def test_granite_and_seed_switches_change_the_prompt() -> None:
     assert not fmt_of("mistralai-Ministral-3-14B-Reasoning-2512").can_switch_off
 
 
+def test_gemma4_on_asks_for_a_thought_and_off_renders_an_empty_one() -> None:
+    for name in ("google-gemma-4-31B-it", "google-gemma-4-31B-it-interleaved"):
+        fmt = fmt_of(name)
+        assert fmt.can_switch_off and fmt.history_field == "reasoning_content"
+        on, off = prompt(name, True), prompt(name, False)
+        assert "<|think|>" in on and on.endswith("<|turn>model\n") and not fmt.starts_inside(on)
+        assert "<|think|>" not in off and off.endswith("<|turn>model\n<|channel>thought\n<channel|>")
+        assert prompt(name, None) == off  # the template's default is off
+
+
+def test_kimi_k3_opens_the_thought_unless_thinking_is_off() -> None:
+    fmt = fmt_of("Kimi-K3")
+    assert fmt.can_switch_off and dict(fmt.switch(False).variables) == {"thinking": False}
+    on, off = prompt("Kimi-K3", True), prompt("Kimi-K3", False)
+    assert on.endswith("<|open|>think<|sep|>") and fmt.starts_inside(on) and fmt.starts_inside(prompt("Kimi-K3", None))
+    assert off.endswith("<|open|>response<|sep|>") and not fmt.starts_inside(off)
+    assert "`thinking_effort=low`" in prompt("Kimi-K3", "low") and "`thinking_effort=max`" in on
+    assert "`thinking_effort=max`" in prompt("Kimi-K3", "medium")  # the template rejects medium
+
+
+def test_minimax_m3_modes() -> None:
+    fmt = fmt_of("MiniMax-M3")
+    on, off, adaptive = prompt("MiniMax-M3", True), prompt("MiniMax-M3", False), prompt("MiniMax-M3", None)
+    assert on.endswith("<mm:think>") and fmt.starts_inside(on) and "thinking mode: enabled" in on
+    assert off.endswith("</mm:think>") and not fmt.starts_inside(off) and "thinking mode: disabled" in off
+    assert adaptive.endswith("]~b]ai\n") and not fmt.starts_inside(adaptive) and "thinking mode: adaptive" in adaptive
+
+
+def test_hy3_and_solar_open_switch_by_reasoning_effort() -> None:
+    hy3 = fmt_of("tencent-Hy3")
+    assert prompt("tencent-Hy3", None).endswith("<think:opensource></think:opensource>")  # default no_think
+    assert prompt("tencent-Hy3", False).endswith("<think:opensource></think:opensource>")
+    for think, effort in ((True, "high"), ("low", "low"), ("medium", "high"), ("high", "high")):
+        on = prompt("tencent-Hy3", think)
+        assert on.endswith("<think:opensource>") and hy3.starts_inside(on) and f"reasoning_effort:{effort}" in on
+    solar = fmt_of("upstage-Solar-Open-100B")
+    assert solar.can_switch_off and solar.history_field == "reasoning"
+    empty = "<|begin|>assistant<|think|><|end|><|begin|>assistant"
+    assert prompt("upstage-Solar-Open-100B", False).endswith(empty)
+    assert prompt("upstage-Solar-Open-100B", "low").endswith(empty)  # low thinks not at all, as written
+    for think in (None, True, "medium", "high"):
+        assert not prompt("upstage-Solar-Open-100B", think).endswith(empty)
+
+
+def test_apertus_apriel_and_glimmer_switches() -> None:
+    apertus = fmt_of("Apertus-8B-Instruct")
+    assert apertus.can_switch_off and apertus.history_field is None
+    assert "Deliberation: enabled" in prompt("Apertus-8B-Instruct", True)
+    assert "Deliberation: disabled" in prompt("Apertus-8B-Instruct", False)
+    for name, inside in (("Apriel-1.6-15b-Thinker-fixed", True), ("unsloth-Apriel-1.5", False)):
+        fmt = fmt_of(name)
+        assert not fmt.can_switch_off and fmt.starts_inside(prompt(name, True)) is inside
+        assert prompt(name, False) == prompt(name, True)
+    glimmer = fmt_of("muse-glimmer")
+    assert not glimmer.can_switch_off and glimmer.history_field == "reasoning_content"
+    assert "Reasoning strength: high." in prompt("muse-glimmer", None)
+    assert "Reasoning strength: low." in prompt("muse-glimmer", "low")
+    assert prompt("muse-glimmer", False) == prompt("muse-glimmer", None)
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "special_function", "arguments": {"arg1": 1}}}
+
+
+@pytest.mark.parametrize(("name", "shown"), [
+    ("google-gemma-4-31B-it", "<|channel>thought\nCALL-THOUGHT\n<channel|>"),
+    ("google-gemma-4-31B-it-interleaved", "<|channel>thought\nCALL-THOUGHT<channel|>"),
+    ("Kimi-K3", "<|open|>think<|sep|>CALL-THOUGHT<|close|>think<|sep|>"),
+    ("MiniMax-M3", "<mm:think>CALL-THOUGHT</mm:think>"),
+    ("tencent-Hy3", "<think:opensource>CALL-THOUGHT</think:opensource>"),
+    ("upstage-Solar-Open-100B", "<|begin|>assistant<|think|>CALL-THOUGHT<|end|>"),
+    ("muse-glimmer", "<|start|>assistant to=self<|message|>CALL-THOUGHT<|eom|>"),
+])
+def test_a_thought_before_a_call_reaches_the_template_under_its_history_field(name: str, shown: str) -> None:
+    fmt = fmt_of(name)
+    calling = [Message("user", "Call it"), Message("assistant", "", (CALL,), thinking="CALL-THOUGHT"),
+               Message("tool", "ok", tool_call_id="c1", name="special_function")]
+    tools = [{"type": "function", "function": {"name": "special_function", "description": "A tool",
+                                               "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}}}}}]
+    rendered = render_template(templates()[name], calling, history_field=fmt.history_field, tools=tools)
+    assert shown in rendered
+    assert shown not in render_template(templates()[name], calling, history_field=None, tools=tools)
+
+
 # -- llama.cpp's own parser cases --------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.template}:{c.line}" for c in CASES])
-def test_llama_cpp_parser_cases_agree(case: Case) -> None:
+def case_id(case: Case) -> str:
+    return f"{case.template}:{case.line or 'own'}"
+
+
+def split_of(case: Case) -> Split:
     fmt = fmt_of(case.template)
     inside = fmt.starts_inside(prompt(case.template, True if case.think is None else case.think))
-    got = fmt.split(case.raw, inside)
+    return fmt.split(case.raw, inside)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_llama_cpp_parser_cases_agree(case: Case) -> None:
+    got = split_of(case)
     assert (got.thinking, got.answer, got.calls) == (case.thinking, case.answer, case.calls)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.template}:{c.line}" for c in CASES])
+@pytest.mark.parametrize("case", OWN_CASES, ids=[case_id(c) for c in OWN_CASES])
+def test_formats_without_llama_cpp_cases_split_at_their_templates_markers(case: Case) -> None:
+    got = split_of(case)
+    assert (got.thinking, got.answer, got.calls) == (case.thinking, case.answer, case.calls)
+
+
+@pytest.mark.parametrize("case", CASES + OWN_CASES, ids=[case_id(c) for c in CASES + OWN_CASES])
 def test_any_cut_of_the_stream_gives_the_whole_split(case: Case) -> None:
     fmt = fmt_of(case.template)
     inside = fmt.starts_inside(prompt(case.template, True if case.think is None else case.think))
@@ -215,6 +316,32 @@ def test_text_before_a_thought_is_all_answer_as_in_llama_cpp() -> None:
     raw = f"Sure. <think>{THOUGHT}</think>{ANSWER}"
     assert fmt.split(raw) == Split(answer=raw)
     assert fmt.split(f"  \n<think>{THOUGHT}</think>\n{ANSWER}") == Split(THOUGHT, ANSWER)
+
+
+def test_minimax_m3_in_adaptive_mode_may_answer_after_a_bare_closing_marker() -> None:
+    # llama.cpp's MiniMax-M3 cases set enable_thinking, which the template does not read: their
+    # prompt is the adaptive one, which opens no thought
+    fmt = fmt_of("MiniMax-M3")
+    assert not fmt.starts_inside(prompt("MiniMax-M3", None))
+    for raw, want in ((f"</mm:think>{ANSWER}", Split(answer=ANSWER)), (f"<mm:think>{THOUGHT}</mm:think>{ANSWER}",
+                      Split(THOUGHT, ANSWER)), (ANSWER, Split(answer=ANSWER))):
+        for at in range(1, len(raw)):
+            assert streamed(fmt, [raw[:at], raw[at:]], False) == want, at
+        s = fmt.splitter()
+        s.feed(raw)
+        assert s.closed is raw.startswith("<")
+
+
+def test_a_raw_glimmer_reply_is_split_only_where_it_opens_a_thought() -> None:
+    fmt = fmt_of("muse-glimmer")
+    thought = f" to=self<|message|>{THOUGHT}<|eom|><|start|>assistant to=user<|message|>{ANSWER}<|eot|>"
+    plain = f" to=user<|message|>{ANSWER}<|eot|>"
+    for raw, want in ((thought, Split(THOUGHT, ANSWER)), (plain, Split(answer=plain))):
+        s = fmt.raw_splitter()
+        got = Split()
+        for ch in raw:
+            got += s.feed(ch)
+        assert got + s.flush() == want
 
 
 def test_harmony_tool_calls_go_whole_to_calls_after_the_thought() -> None:

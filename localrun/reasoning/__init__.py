@@ -7,6 +7,13 @@ name: one module per format in this package, each a `ReasoningFormat` registered
 (`starts_inside`), what ends a thought early (`closing_text`, for a thinking budget), where
 earlier turns' thoughts go (`history_field`), and makes a streaming `splitter` whose
 `feed`/`flush` sort the reply's text into `Split(thinking, answer, calls)`.
+
+The formats: `think_tags` (`<think>…</think>`, most families), `harmony` (gpt-oss's channels),
+`glimmer` (Muse Glimmer's `to=self` messages), `seed` (Seed-OSS), `granite` (Granite 3.3),
+`gemma4` (Gemma 4's thought channel), `mistral` (`[THINK]`), `kimi_k3` (Kimi K3's think section),
+`command_r` (Command R7B, Command A), `apertus` (`<|inner_prefix|>`), `apriel` (Apriel 1.5 and 1.6,
+`[BEGIN FINAL RESPONSE]`), `solar_open` (Solar Open's `<|think|>` message), `hy3` (Hy3's
+`<think:opensource>`) and `minimax_m3` (`<mm:think>`).
 """
 
 from __future__ import annotations

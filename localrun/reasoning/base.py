@@ -183,12 +183,17 @@ class MarkerSplitter(SteppingSplitter):
 
     As llama.cpp's parsers do: a thought is recognised only at the start of the reply, whitespace
     around it and right after the closing marker is trimmed, and a reply that starts with anything
-    else is all answer. A marker cut across feeds is held back until it is decided.
+    else is all answer. A marker cut across feeds is held back until it is decided. `ends` are
+    more markers that end a thought (Kimi K3's answer opener, when the model skips the closer);
+    with `bare_closing` a reply may start with the closing marker alone, an empty thought
+    (MiniMax-M3 writes one when it decides not to think).
     """
 
     def __init__(self, opening: tuple[str, ...], closing: str, answer_markers: tuple[str, ...] = (),
-                 start_inside: bool = False) -> None:
+                 start_inside: bool = False, ends: tuple[str, ...] = (), bare_closing: bool = False) -> None:
         self._opening, self._closing, self._answer_markers = opening, closing, answer_markers
+        self._ends = (closing, *ends)
+        self._bare_closing = bare_closing
         self._phase = "thought" if start_inside else "before"
         self._buf = ""
         self._lead = True  # trim whitespace at the start of the current part
@@ -230,6 +235,13 @@ class MarkerSplitter(SteppingSplitter):
                 return Split()
             if o.startswith(text):
                 return None
+        if self._bare_closing:
+            if text.startswith(self._closing):
+                self._buf, self._phase, self._lead = text[len(self._closing):], "answer", True
+                self._opened = self._closed = True
+                return Split()
+            if self._closing.startswith(text):
+                return None
         self._phase, self._lead = "answer", True
         return Split()
 
@@ -242,12 +254,13 @@ class MarkerSplitter(SteppingSplitter):
                 if o.startswith(self._buf):
                     return None
             self._reopen = False
-        i = self._buf.find(self._closing)
-        if i >= 0:
-            thought, self._buf = self._buf[:i].rstrip(), self._buf[i + len(self._closing):]
+        found = [(i, e) for e in self._ends if (i := self._buf.find(e)) >= 0]
+        if found:
+            i, end = min(found)
+            thought, self._buf = self._buf[:i].rstrip(), self._buf[i + len(end):]
             self._phase, self._closed, self._lead = "answer", True, True
             return Split(thinking=thought)
-        keep = held(self._buf, (self._closing,))
+        keep = held(self._buf, self._ends)
         body = self._buf[: len(self._buf) - keep]
         ready = body.rstrip()  # trailing whitespace waits: it is trimmed if the closing follows
         if not ready:
@@ -299,7 +312,9 @@ class RawSplitter:
     whitespace included, which the chat splitters trim)."""
 
     def __init__(self, opening: tuple[str, ...], inner: Splitter) -> None:
-        self.opening, self.inner = opening, inner
+        # the reply is matched with its leading whitespace trimmed, so the opening is too (glimmer's
+        # starts with a space)
+        self.opening, self.inner = tuple(o.lstrip() for o in opening), inner
         self.buf = ""
         self.mode = "undecided"  # then "split" or "plain"
 

@@ -63,7 +63,11 @@ class Harmony(ReasoningFormat):
 
 class HarmonySplitter(SteppingSplitter):
     """Streams a harmony reply: headers are held until `<|message|>`, bodies until a possible end
-    marker is decided; text that starts with no header at all is plain answer."""
+    marker is decided; text that starts with no header at all is plain answer. A subclass for a
+    like format (muse-glimmer) says its own `ends`, `heads` and how a header names its `kind`."""
+
+    ends: ClassVar[tuple[str, ...]] = ENDS
+    heads: ClassVar[tuple[str, ...]] = HEADS
 
     def __init__(self, start_inside: bool = False) -> None:
         self._buf = ""
@@ -98,7 +102,7 @@ class HarmonySplitter(SteppingSplitter):
         i = self._buf.find(MESSAGE)
         if i < 0:
             text = self._buf.lstrip()
-            if text and not any(text.startswith(h) or h.startswith(text) for h in HEADS):
+            if text and not any(text.startswith(h) or h.startswith(text) for h in self.heads):
                 self._state = "plain"  # no channels: the model answered in plain text
                 self._buf = text
                 return Split()
@@ -106,19 +110,21 @@ class HarmonySplitter(SteppingSplitter):
         head, self._buf = self._buf[:i], self._buf[i + len(MESSAGE):]
         head = re.sub(r"^\s*<\|start\|>assistant", "", head)  # the role, not part of a call
         self._head = head + MESSAGE
-        channel = head.split("<|channel|>", 1)[1] if "<|channel|>" in head else ""
-        channel = channel.split(" ", 1)[0].split("<|", 1)[0]
-        if " to=" in head or head.lstrip().startswith("to="):
-            self._kind = "calls"
-        elif channel == "analysis":
-            self._kind, self._opened = "thinking", True
-        else:
-            self._kind = "answer"
+        self._kind = self._kind_of(head)
+        self._opened = self._opened or self._kind == "thinking"
         self._state = "body"
         return Split(calls=self._head) if self._kind == "calls" else Split()
 
+    def _kind_of(self, head: str) -> str:
+        """What a message's body is, by its header: thinking, answer or calls."""
+        channel = head.split("<|channel|>", 1)[1] if "<|channel|>" in head else ""
+        channel = channel.split(" ", 1)[0].split("<|", 1)[0]
+        if " to=" in head or head.lstrip().startswith("to="):
+            return "calls"
+        return "thinking" if channel == "analysis" else "answer"
+
     def _body(self) -> Split | None:
-        ends = [(j, e) for e in ENDS if (j := self._buf.find(e)) >= 0]
+        ends = [(j, e) for e in self.ends if (j := self._buf.find(e)) >= 0]
         if ends:
             j, end = min(ends)
             body = self._buf[:j]
@@ -130,7 +136,7 @@ class HarmonySplitter(SteppingSplitter):
                 self._closed = True
             self._state, self._kind = "header", ""
             return out
-        keep = held(self._buf, ENDS)
+        keep = held(self._buf, self.ends)
         ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return self._emit(ready) if ready else None
 
