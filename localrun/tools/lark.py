@@ -28,11 +28,12 @@ def special(text: str) -> str:
     return f"<<special:{text}>>"
 
 
-_MARKUP = re.compile(r"(<\|[^|<>]+\|>)")
+# special-token markup: <|name|>, and Gemma 4's <|name> and <name|>
+_MARKUP = re.compile(r"(<\|[^|<>]+\|?>|<[^|<>]+\|>)")
 
 
 def specials(text: str) -> str:
-    """text as Lark, cut at each `<|NAME|>` in it, every piece a special-token placeholder (one
+    """text as Lark, cut at each `<|NAME|>` (or `<|NAME>`, `<NAME|>`) in it, every piece a special-token placeholder (one
     token where the vocabulary has it as one, else literal text): a harmony header is several
     special tokens with words between them."""
     return " ".join(special(p) for p in _MARKUP.split(text) if p)
