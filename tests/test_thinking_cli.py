@@ -1,17 +1,24 @@
 """Thinking through the command line: `run` puts the thought on stderr (or hides it, or in --json
-beside the text), `batch` writes it in each row; on a tiny random Qwen3 with the real Qwen3
-tokenizer and the DeepSeek-R1 and Qwen3 templates (tests/thinking_models.py)."""
+beside the text), the interactive chat gives it back to later turns, `batch` writes it in each row;
+on a tiny random Qwen3 with the real Qwen3 tokenizer and the DeepSeek-R1 and Qwen3 templates
+(tests/thinking_models.py), and Bielik's from llama.cpp's collection."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from localrun import api
-from tests.thinking_models import R1_TEMPLATE
+from localrun.chat import parse_messages, render_template
+from localrun.reasoning import detect
+from tests.test_cli import Terminal
+from tests.test_reasoning import templates
+from tests.thinking_models import R1_TEMPLATE, TOKENIZER
 
 # DeepSeek-R1's template opens the thought in the prompt: the random model thinks until the budget
 # inserts </think>, then answers (sampled: greedy, the random model repeats whitespace).
@@ -65,3 +72,67 @@ def test_batch_rows_carry_their_thought_and_own_budget(cli, models: None, tmp_pa
     assert "</think>" not in got["a"]["text"] + got["b"]["text"]
     # R1's template cannot switch thinking off: the row still thinks, apart, within its own budget.
     assert got["c"]["thinking_tokens"] == 2
+
+
+# Bielik's template writes every earlier turn's thought back into the prompt (from reasoning_content),
+# and with thinking on its prompt opens the thought; R1's drops earlier thoughts.
+BIELIK = "Bielik-11B-v3.0-Instruct"
+# On a terminal: the thought dimmed on stderr, a line break, the answer on stdout, the statistics.
+TURN = re.compile(r"((?:\x1b\[2m.*?\x1b\[0m)+)\r\n(.*?)\r\n\[(\d+) prompt tokens in \d+ ms, ", re.S)
+DIMMED = re.compile(r"\x1b\[2m(.*?)\x1b\[0m", re.S)
+
+
+@pytest.fixture(scope="module")
+def bielik(thinker: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    template = tmp_path_factory.mktemp("templates") / f"{BIELIK}.jinja"
+    template.write_text(templates()[BIELIK], encoding="utf-8")
+    return thinker(template)
+
+
+def _chat_turn(term: Terminal, text: str) -> tuple[str, str, int]:
+    """Ask one question in the interactive chat: (the thought, the answer, the prompt's tokens)."""
+    start = len(term.out)
+    term.send(text + "\r")
+    term.expect(">>> ", start=start + len(text))
+    printed = term.out[start:].decode(errors="replace").split(text, 1)[1]
+    turn = TURN.search(printed)
+    assert turn is not None, printed
+    thought = "".join(DIMMED.findall(turn[1]))
+    # The terminal writes each line break as \r\n.
+    return thought.replace("\r\n", "\n"), turn[2].replace("\r\n", "\n"), int(turn[3])
+
+
+@pytest.mark.parametrize("name", ["bielik", "r1"])
+def test_interactive_chat_gives_the_thought_back_as_the_template_reads_it(name: str, bielik: Path,
+                                                                         thinker: Callable[..., Path]) -> None:
+    from tokenizers import Tokenizer
+
+    model = bielik if name == "bielik" else thinker(R1_TEMPLATE)
+    source = templates()[BIELIK] if name == "bielik" else R1_TEMPLATE.read_text(encoding="utf-8")
+    api.add_model(model, "chat:tiny")
+    term = Terminal("run", "chat:tiny", "--think", "--think-budget", "6", *SAMPLED, "--verbose")
+    term.expect(">>> ")
+    first, second = "Why is the sky blue?", "And the sea?"
+    thought, answer, p1 = _chat_turn(term, first)
+    assert thought.strip() and answer.strip()
+    _, _, p2 = _chat_turn(term, second)
+    term.send("\x04")
+    assert term.wait() == 0
+
+    fmt = detect(source)
+    assert fmt is not None
+    tokenizer = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+
+    def tokens(*later: dict[str, Any]) -> int:
+        conversation = parse_messages([{"role": "user", "content": first}, *later])
+        text = render_template(source, conversation, history_field=fmt.history_field, **fmt.switch(True).variables)
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    # The second prompt is the first one grown by the first reply, its thought as the template
+    # writes it (Bielik's keeps it, R1's drops it), and the second question (the BOS the engine
+    # renders is in both prompts, so the difference leaves it out).
+    reply = {"role": "assistant", "content": answer}
+    kept = tokens({**reply, "thinking": thought}, {"role": "user", "content": second}) - tokens()
+    dropped = tokens(reply, {"role": "user", "content": second}) - tokens()
+    assert p2 - p1 == kept
+    assert (kept > dropped) == (name == "bielik")

@@ -187,7 +187,8 @@ def _print_stats(chunk: Chunk) -> None:
 
 def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
                  think: bool | str | None) -> int:
-    """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves."""
+    """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves. Each reply's
+    thought is kept apart from its answer in the history, for templates that read earlier thoughts."""
     import dataclasses
     import threading
 
@@ -256,6 +257,10 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         if last is not None and last.finish_reason == "cancelled":
             print("(stopped; this exchange was not kept)", file=err)
             continue
-        history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
+        # The thought stays apart: the engine gives it to the template under its format's field, or drops it.
+        reply = {"role": "assistant", "content": "".join(parts)}
+        if thought.parts:
+            reply["thinking"] = "".join(thought.parts)
+        history += [{"role": "user", "content": text}, reply]
         if args.verbose and last is not None:
             _print_stats(last)
