@@ -79,9 +79,11 @@ class Conversation:
     output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec) of params.grammar
 
     def history(self) -> list[dict[str, str]]:
-        """The messages in the shape `api.build_messages` takes; earlier thoughts are not sent back
-        (the thinking templates drop them from earlier turns)."""
-        return [{"role": t.role, "content": t.content} for t in self.turns]
+        """The messages in the shape `api.build_messages` takes. A turn's thought goes apart from its
+        content: the engine gives it to the template under its format's field (Seed-OSS, Bielik,
+        Command A read earlier thoughts), or drops it where the template does."""
+        return [{"role": t.role, "content": t.content, **({"thinking": t.thinking} if t.thinking else {})}
+                for t in self.turns]
 
 
 def thought_title(seconds: float | None, tokens: int | None) -> str:

@@ -104,8 +104,9 @@ def test_a_thought_is_stored_apart_and_exported_with_its_answer(tmp_path: Path) 
     turns = ConversationStore(tmp_path / "c.sqlite3").get(c.id).turns
     assert (turns[0].thinking, turns[1].thinking) == ("", "Light scatters\nby air.")
     assert turns[1].content == "Rayleigh scattering." and turns[1].thought_title() == "Thought for 3.2 s · 6 tokens"
-    # The thought never goes back to the model as content.
-    assert store.get(c.id).history()[1] == {"role": "assistant", "content": "Rayleigh scattering."}
+    # The thought goes back to the model apart from the answer, never as content.
+    assert store.get(c.id).history()[1] == {"role": "assistant", "content": "Rayleigh scattering.",
+                                            "thinking": "Light scatters\nby air."}
     md = store.export_markdown(c.id)
     assert ("## Assistant\n\n<details>\n<summary>Thought for 3.2 s · 6 tokens</summary>\n\nLight scatters\nby air.\n\n"
             "</details>\n\nRayleigh scattering.\n") in md
