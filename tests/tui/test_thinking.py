@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+import re
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from textual.widgets import Input
+from textual.worker import WorkerState
 
 from localrun import api
-from localrun.generation import GenerationParams
+from localrun.generation import Chunk, GenerationParams
 from localrun.store import home
 from tests.thinking_models import R1_TEMPLATE
 from tests.tui.helpers import wait_for
@@ -96,3 +99,116 @@ async def _flow(make_app: Any) -> None:
 def turn_id(screen: ChatScreen) -> int:
     assert screen.conversation is not None
     return screen.conversation.id
+
+
+class HeldStream:
+    """`api.stream` as the chat's worker calls it (the real engine's reply), held before chosen chunks
+    until the test has looked at the screen: before the thought's second piece, and before the
+    answer's first and second pieces."""
+
+    def __init__(self, real: Callable[..., Iterator[Chunk]]) -> None:
+        self.real = real
+        self.thinking = ""  # what was let through so far
+        self.pieces = 0
+        self.answer = ""
+        self.held: str | None = None  # the stage the stream waits at
+        self.passed: set[str] = set()
+        self.free = False
+        self._go = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Chunk]:
+        for chunk in self.real(*args, **kwargs):
+            stage = self._stage(chunk)
+            if stage is not None and not self.free:
+                self.passed.add(stage)
+                self.held = stage
+                self._go.wait()
+                self._go.clear()
+                self.held = None
+            self.thinking += chunk.thinking
+            self.pieces += bool(chunk.thinking)
+            self.answer += chunk.text
+            yield chunk
+
+    def _stage(self, chunk: Chunk) -> str | None:
+        if chunk.thinking and self.pieces == 1 and "thinking" not in self.passed:
+            return "thinking"
+        if chunk.text and not self.answer:
+            return "answer"
+        if chunk.text and "answering" not in self.passed:
+            return "answering"
+        return None
+
+    def go(self, free: bool = False) -> None:
+        """Let the stream on, to its next stage (free: to its end)."""
+        self.free = self.free or free
+        self._go.set()
+
+
+def test_the_block_while_the_thought_streams_then_when_it_closes(make_app: Any, r1: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    api.add_model(r1, "r1:tiny")
+    held = HeldStream(api.stream)
+    monkeypatch.setattr(api, "stream", held)
+    # Every piece is posted as it comes (not coalesced in time), so a held stream has shown all it let through.
+    monkeypatch.setattr("tui.screens.chat.FLUSH_INTERVAL_S", 0)
+    asyncio.run(_mid_stream(make_app, held))
+
+
+THINKING = re.compile(r"Thinking… (\d+\.\d) s · (\d+) tokens?")
+THOUGHT = re.compile(r"Thought for (\d+\.\d) s · (\d+) tokens?")
+
+
+async def _mid_stream(make_app: Any, held: HeldStream) -> None:
+    app = make_app(params=PARAMS, model="r1:tiny")
+    async with app.run_test(size=SIZE) as pilot:
+        try:
+            await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None, "the chat")
+            screen = chat(app)
+            await wait_for(pilot, lambda: screen.query_one("#prompt").has_focus, "the prompt to take the keys")
+            screen.query_one("#prompt", Input).value = "Why is the sky blue?"
+            await pilot.press("enter")
+
+            def block() -> ThinkingBlock:
+                return screen.query_one(ThinkingBlock)
+
+            def shown(stage: str) -> Callable[[], bool]:
+                # held at the stage, and everything let through before it is in the block
+                return lambda: (held.held == stage and bool(screen.query(ThinkingBlock))
+                                and block().thinking == held.thinking)
+
+            # One piece of the thought: the block is open above the empty answer, titled with the time so far.
+            await wait_for(pilot, shown("thinking"), "the thought's first piece")
+            generating = [w for w in app.workers if w.group == "generate"]
+            assert [w.state for w in generating] == [WorkerState.RUNNING] and screen.generating
+            reply = screen.query_one(AssistantMessage)
+            assert not block().collapsed and reply.source == "" and reply.thought is block()
+            first = THINKING.fullmatch(str(block().title))
+            assert first is not None and first[2] == "1", block().title
+            assert str(block().thought.content) == held.thinking and held.thinking
+            # The whole thought, the answer not begun: still open, its time and pieces counted on.
+            held.go()
+            await wait_for(pilot, shown("answer"), "the whole thought")
+            whole = THINKING.fullmatch(str(block().title))
+            assert whole is not None and int(whole[2]) == held.pieces > 1, block().title
+            assert float(whole[1]) >= float(first[1])
+            assert not block().collapsed and reply.source == "" and screen.status.state == "generating…"
+            assert generating[0].state == WorkerState.RUNNING
+            # The answer's first piece: the thought folds away, titled with its time and pieces.
+            held.go()
+            await wait_for(pilot, lambda: held.held == "answering" and block().collapsed, "the answer to start")
+            closed = THOUGHT.fullmatch(str(block().title))
+            assert closed is not None and int(closed[2]) == held.pieces, block().title
+            await wait_for(pilot, lambda: reply.source == held.answer, "the answer's first piece on screen")
+            assert screen.generating and block().thinking == held.thinking
+            # The end: still folded, now titled with the engine's count of thought tokens (the budget).
+            held.go(free=True)
+            await wait_for(pilot, lambda: not screen.generating, "the reply")
+            await wait_for(pilot, lambda: generating[0].state == WorkerState.SUCCESS, "the worker to end")
+            assert block().collapsed and THOUGHT.fullmatch(str(block().title))
+            assert str(block().title).endswith(f"· {BUDGET} tokens") and block().thinking == held.thinking
+            assert screen.conversation is not None and screen.conversation.turns[-1].thinking == held.thinking
+            assert reply.source == screen.conversation.turns[-1].content == held.answer
+            assert not [m for sev, m in app.notices if sev == "error"], app.notices
+        finally:
+            held.go(free=True)
