@@ -219,10 +219,27 @@ def _deadline_tracer(deadline: float) -> Any:
 
 
 @lru_cache(maxsize=16)
+def _generation_block() -> Any:
+    """`{% generation %}…{% endgeneration %}`, which templates written for transformers use to
+    mark the assistant's tokens for training masks: rendered as its body, as transformers does."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):  # type: ignore[misc]
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
 def _compile(source: str) -> Any:
     from jinja2.ext import loopcontrols
 
-    env = _limited_env()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _limited_env()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_block()])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -280,6 +297,11 @@ def render_template(
     except TemplateError as e:
         raise BadModelFileError(
             f"the model's chat template failed: {e}", "pass --raw to skip the template"
+        ) from e
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        # the template's own code failed on these messages (tojson of a generator, ...)
+        raise BadModelFileError(
+            f"the model's chat template failed: {type(e).__name__}: {e}", "pass --raw to skip the template"
         ) from e
     finally:
         sys.settrace(previous)

@@ -14,7 +14,7 @@ import pytest
 
 from localrun import api
 from localrun.chat import Message, parse_messages, render_template
-from localrun.errors import UsageError
+from localrun.errors import BadModelFileError, UsageError
 from localrun.generation import Request
 from localrun.reasoning import detect
 from tests.server.conftest import Served, serve
@@ -113,6 +113,44 @@ def test_transformers_renders_the_same(name: str, conversation: list[dict[str, A
     if name == "openai-gpt-oss-120b":  # its system block carries today's date
         ours, theirs = ours.split("<|end|>", 1)[1], theirs.split("<|end|>", 1)[1]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("conversation", [TURNS, CALLING, TURNS[:2]], ids=["turns", "calling", "last"])
+def test_every_thinking_template_renders_as_transformers_does(conversation: list[dict[str, Any]]) -> None:
+    """Every template of llama.cpp's collection that has a reasoning format, with thinking on, off
+    and left to the template, renders a conversation with an earlier thought (and tools) exactly
+    as transformers does (in its mutable sandbox: Kimi K2's templates change lists). Among them
+    LFM2.5-8B and the three Laguna templates use transformers' {% generation %} block."""
+    from tests.test_chat import _mutable_reference
+
+    last = conversation is not TURNS and conversation is not CALLING
+    kw: dict[str, Any] = {"add_generation_prompt": not last, "bos_token": "<s>", "eos_token": "</s>"}
+    checked, differ, failing = 0, [], set()
+    for name, source in sorted(templates().items()):
+        fmt = detect(source)
+        if fmt is None:
+            continue
+        wire = [m.to_dict(fmt.history_field) for m in parse_messages(conversation)]
+        for think in (None, True, False):
+            switch = fmt.switch(think)
+            if switch.system_flag:  # SmolLM3's /think in a system turn: the same render with one more turn
+                continue
+            variables = dict(switch.variables)
+            checked += 1
+            try:
+                theirs = _mutable_reference(source, wire, tools=list[Any](TOOLS), **kw, **variables)
+            except Exception:  # noqa: BLE001 (llama.cpp's own test template for R1 fails in tojson)
+                with pytest.raises(BadModelFileError, match="chat template failed"):
+                    render_template(source, parse_messages(conversation), history_field=fmt.history_field,
+                                    tools=TOOLS, **kw, **variables)
+                failing.add(name)
+                continue
+            ours = render_template(source, parse_messages(conversation), history_field=fmt.history_field,
+                                   tools=TOOLS, **kw, **variables)
+            if ours != theirs:
+                differ.append((name, think))
+    assert checked >= 120 and not differ, differ
+    assert failing <= {"llama-cpp-deepseek-r1"}, failing
 
 
 # -- through the server, on the tiny Qwen3 with the real Qwen3 template and tokenizer ---------------
