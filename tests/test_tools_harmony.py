@@ -55,6 +55,11 @@ CASES = [
             '<|channel|>commentary json<|message|>{"city": "Zürich"}<|call|>', THOUGHT, "",
          [("get_weather", {"city": "Zürich"})]),
     Case(0, "<|channel|>final<|message|>Hello, world!\nWhat's up?<|return|>", "", "Hello, world!\nWhat's up?", []),
+    # a header addressed to the assistant itself is no call: the channel after it says what it is
+    Case(6567, "<|channel|>commentary to=assistant<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant"
+               "<|channel|>final<|message|>Hello, world!\nWhat's up?", THOUGHT, "Hello, world!\nWhat's up?", []),
+    Case(6576, "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>commentary to=assistant"
+               "<|channel|>final<|message|>Hello, world!\nWhat's up?", THOUGHT, "Hello, world!\nWhat's up?", []),
 ]
 
 

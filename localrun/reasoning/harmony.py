@@ -117,9 +117,12 @@ class HarmonySplitter(SteppingSplitter):
 
     def _kind_of(self, head: str) -> str:
         """What a message's body is, by its header: thinking, answer or calls."""
-        channel = head.split("<|channel|>", 1)[1] if "<|channel|>" in head else ""
+        channel = head.rsplit("<|channel|>", 1)[1] if "<|channel|>" in head else ""
         channel = channel.split(" ", 1)[0].split("<|", 1)[0]
-        if " to=" in head or head.lstrip().startswith("to="):
+        recipient = re.search(r"(?:^|\s)to=([^\s<]+)", head)
+        # a message to the assistant itself is no call (llama.cpp's edge cases: the channel that
+        # follows in the same header says what it is)
+        if recipient and recipient.group(1) != "assistant":
             return "calls"
         return "thinking" if channel == "analysis" else "answer"
 
