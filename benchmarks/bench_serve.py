@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class Config:
     gpu_layers: int | None
     parallel: int
     ready_timeout: float
+    temperature: float = 0.0  # 0: greedy; else sampled with a seed per request, the same on every server
     baseline_tree: str | None = None  # the worktree of --baseline's revision
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-serve-")))
 
@@ -256,7 +257,8 @@ class Server:
 async def one_request(client: Any, cfg: Config, i: int, max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion: send time, content-chunk times, content, usage, finish reason."""
     body = {"model": cfg.model, "messages": messages(i), "stream": True, "max_tokens": max_tokens,
-            "temperature": 0, "stream_options": {"include_usage": True}}
+            "temperature": cfg.temperature, "stream_options": {"include_usage": True},
+            **({"seed": 1000 + i} if cfg.temperature else {})}
     stamps: list[float] = []
     parts: list[str] = []
     usage = None
@@ -365,7 +367,7 @@ def measure_run(cfg: Config) -> Result:
     fa = {"on": True, "off": False}[cfg.flash_attn]
     gl: int | str = cfg.gpu_layers if cfg.gpu_layers is not None else "auto"
     session = api.load(cfg.model, LoadOptions(n_ctx=cfg.ctx, n_threads=cfg.threads, flash_attn=fa, gpu_layers=gl))
-    params = GenerationParams(temperature=0, max_tokens=cfg.tokens)
+    params = GenerationParams(temperature=cfg.temperature, max_tokens=cfg.tokens)
     rates, ttft, tokens, chunks, usage = [], [], 0, 0, 0
     finishes: dict[str, int] = {}
     try:
@@ -377,15 +379,16 @@ def measure_run(cfg: Config) -> Result:
             stamps: list[float] = []
             parts: list[str] = []
             t0 = time.perf_counter()
-            for chunk in session.stream(Request.chat(messages(i)), params):
+            seeded = replace(params, seed=1000 + i) if cfg.temperature else params
+            for chunk in session.stream(Request.chat(messages(i)), seeded):
                 if chunk.done:
                     usage += chunk.completion_tokens
                     reason = chunk.finish_reason or "none"
                     finishes[reason] = finishes.get(reason, 0) + 1
                     break
-                if chunk.text:
+                if chunk.thinking + chunk.text:  # a thinking model's thought is delivered text too
                     stamps.append(time.perf_counter())
-                    parts.append(chunk.text)
+                    parts.append(chunk.thinking + chunk.text)
             chunks += len(stamps)
             tokens += count_tokens(cfg.path, "".join(parts))
             if stamps:
@@ -439,7 +442,8 @@ def summarize(rounds: list[list[Result]], targets: tuple[tuple[str, int, str, st
 
 def print_table(cfg: Config, names: list[str], med: dict[tuple[str, int], dict[str, float]],
                 ratios: list[dict[str, Any]], n_rounds: int) -> None:
-    print(f"model: {cfg.model} ({cfg.path}); {cfg.tokens} tokens per request, greedy; threads {cfg.threads};"
+    how = f"sampled at temperature {cfg.temperature}, seeded per request" if cfg.temperature else "greedy"
+    print(f"model: {cfg.model} ({cfg.path}); {cfg.tokens} tokens per request, {how}; threads {cfg.threads};"
           f" ctx {cfg.ctx} per sequence; flash attention {cfg.flash_attn}; --parallel {cfg.parallel};"
           f" {cfg.requests_per_client} requests per client; {n_rounds} rounds, medians")
     cols = [n for n in [*names, RUN] if any(k[0] == n for k in med)]
@@ -475,6 +479,8 @@ def main() -> int:
     ap.add_argument("--clients", default="1,16", help="comma-separated concurrency levels")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default) is greedy; otherwise sampled, request i seeded 1000+i on every side")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
     ap.add_argument("--threads", type=int, default=None)
@@ -521,7 +527,8 @@ def bench(args: argparse.Namespace, ap: argparse.ArgumentParser, baseline: str |
     cfg = Config(model=args.model, path=str(api.get_model(args.model).path), tokens=args.tokens, clients=clients,
                  requests_per_client=args.requests_per_client, ctx=args.ctx,
                  threads=args.threads or default_threads(), flash_attn=args.flash_attn, gpu_layers=args.gpu_layers,
-                 parallel=max(clients), ready_timeout=args.ready_timeout, baseline_tree=tree)
+                 parallel=max(clients), ready_timeout=args.ready_timeout, baseline_tree=tree,
+                 temperature=args.temperature)
     if baseline is not None:
         where = subprocess.run([sys.executable, "-c", "import localrun; print(localrun.__file__)"], text=True,
                                capture_output=True, env={**os.environ, **baseline_env(cfg)}, cwd=tree).stdout.strip()
