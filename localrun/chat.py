@@ -218,7 +218,6 @@ def _deadline_tracer(deadline: float) -> Any:
     return calls
 
 
-@lru_cache(maxsize=16)
 def _generation_block() -> Any:
     """`{% generation %}…{% endgeneration %}`, which templates written for transformers use to
     mark the assistant's tokens for training masks: rendered as its body, as transformers does."""
@@ -226,7 +225,7 @@ def _generation_block() -> Any:
     from jinja2.ext import Extension
 
     class Generation(Extension):  # type: ignore[misc]
-        tags = frozenset({"generation"})
+        tags = {"generation"}  # noqa: RUF012 (jinja2 reads it as a class attribute)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -236,6 +235,7 @@ def _generation_block() -> Any:
     return Generation
 
 
+@lru_cache(maxsize=16)
 def _compile(source: str) -> Any:
     from jinja2.ext import loopcontrols
 
