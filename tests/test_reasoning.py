@@ -355,3 +355,46 @@ def test_harmony_tool_calls_go_whole_to_calls_after_the_thought() -> None:
     got += s.flush()
     assert got == Split(thinking=THOUGHT, calls=call)
     assert s.closed and not s.in_thought
+
+
+# One template per format, for what every format must agree on.
+ONE_PER_FORMAT = sorted({fmt: name for name, fmt in sorted(THINKING.items(), reverse=True)}.items())
+
+
+@pytest.mark.parametrize(("fmt_name", "name"), ONE_PER_FORMAT, ids=[f for f, _ in ONE_PER_FORMAT])
+def test_a_grammar_after_the_thought_takes_what_the_splitter_reads(fmt_name: str, name: str) -> None:
+    """For every format, the grammar the engine puts around a schema (a thought, what follows its
+    closing marker, the answer's head) accepts the reply a thinking budget makes (opening, thought,
+    the format's closing text, answer) and a reply with no thought; the splitter reads the first
+    into that thought and that answer. A format whose markers the grammar spelled otherwise than
+    the splitter reads them would refuse its own model's replies, or let markup into the answer."""
+    import llguidance
+
+    from localrun.constraint import Constraint
+    from localrun.tools.lark import after_thought, resolve_specials
+
+    from .conftest import ASSETS
+
+    fmt = fmt_of(name)
+    assert fmt.name == fmt_name and fmt.opening and fmt.closing
+    tok = llguidance.LLTokenizer((ASSETS / "tokenizers" / "qwen3" / "tokenizer.json").read_text())
+
+    def special_id(text: str) -> int | None:
+        ids = tok.tokenize_str(text)
+        return ids[0] if len(ids) == 1 and tok.is_special_token(ids[0]) else None
+
+    lark = after_thought(Constraint.schema({"type": "object"}).grammar, fmt.opening[0], fmt.closing, False,
+                         fmt.answer_head, fmt.closing_gap)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, resolve_specials(lark, special_id), log_level=0)
+        ids = tok.tokenize_str(text)
+        return m.validate_tokens(ids) == len(ids) and bool(m.consume_tokens(ids)) and m.is_accepting()
+
+    budgeted = fmt.opening[0] + "Step one, step two" + fmt.closing_text + '{"a": 1}'
+    assert accepts(budgeted) and accepts('{"a": 1}')
+    got = fmt.split(budgeted)
+    assert (got.thinking, got.answer) == ("Step one, step two", '{"a": 1}')
+    # an answer under its head with no thought before it (harmony's final channel, Granite's <response>)
+    headed = fmt.answer_head + '{"a": 1}'
+    assert accepts(headed) and fmt.split(headed) == Split(answer='{"a": 1}')

@@ -31,9 +31,10 @@ class Glimmer(ReasoningFormat):
     name: ClassVar[str] = "glimmer"
     opening: ClassVar[tuple[str, ...]] = (" to=self" + MESSAGE,)
     closing: ClassVar[str] = EOM
-    answer_head: ClassVar[str] = START + "assistant to=user" + MESSAGE
-    # the answer's header is several special tokens: a schema holds the reply from its first token
-    grammar_after_thought: ClassVar[bool] = False
+    # after the thought the next message starts; the answer is the message to the user (a grammar
+    # on the answer takes both as their special tokens and words, as harmony's)
+    closing_gap: ClassVar[str] = START + "assistant"
+    answer_head: ClassVar[str] = " to=user" + MESSAGE
 
     @classmethod
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
