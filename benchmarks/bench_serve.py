@@ -144,9 +144,9 @@ def free_port() -> int:
 
 # ---- servers ---------------------------------------------------------------------------------
 
-def _help_text(cmd: list[str], env: dict[str, str] | None = None) -> str:
+def _help_text(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> str:
     res = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                         cwd=env["PYTHONPATH"].split(os.pathsep)[0] if env else None)
+                         cwd=cwd)
     return res.stdout + res.stderr
 
 
@@ -161,7 +161,8 @@ def server_command(name: str, cfg: Config, port: int) -> tuple[list[str], str]:
     fa_on = cfg.flash_attn == "on"
     if name == "localrun" or name.startswith("localrun@"):
         base = [sys.executable, "-m", "localrun", "serve"]
-        help_text = _help_text(base, baseline_env(cfg) if name != "localrun" else None)
+        baseline = name != "localrun"
+        help_text = _help_text(base, baseline_env(cfg) if baseline else None, cfg.baseline_tree if baseline else None)
         if "--parallel" not in help_text:
             raise SystemExit(f"`localrun serve` is not available here:\n{help_text.strip()[-500:]}")
         cmd = [*base, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(cfg.parallel)]

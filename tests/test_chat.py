@@ -194,7 +194,7 @@ def test_a_long_conversation_is_not_a_runaway_template() -> None:
     assert out == f"user: {long}\n"
 
 
-def test_a_template_is_compiled_once() -> None:
+def test_a_template_is_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiling a real thinking template takes about 20 ms here: a template is compiled on its
     first render and reused after (every request renders one)."""
     from jinja2 import Environment
@@ -208,10 +208,7 @@ def test_a_template_is_compiled_once() -> None:
         compiled += 1
         return original(self, *args, **kw)  # type: ignore[arg-type]
 
-    Environment.from_string = counting  # type: ignore[method-assign,assignment]
-    try:
-        for _ in range(3):
-            render_template(source, [Message("user", "hi")])
-    finally:
-        Environment.from_string = original  # type: ignore[method-assign]
+    monkeypatch.setattr(Environment, "from_string", counting)
+    for _ in range(3):
+        render_template(source, [Message("user", "hi")])
     assert compiled == 1

@@ -40,9 +40,6 @@ class Glimmer(ReasoningFormat):
     def matches(cls, template: str, has_token: HasToken = no_token) -> bool:
         return "<atem:function_calls>" in template and "assistant to=self" + MESSAGE in template
 
-    def starts_inside(self, prompt: str) -> bool:
-        return prompt.endswith(self.opening[0])
-
     def switch(self, think: bool | str | None) -> Switch:
         """An effort level sets reasoning_strength; on, off and None keep the template's (high)."""
         if isinstance(think, str) and think in EFFORTS:

@@ -47,9 +47,6 @@ class Harmony(ReasoningFormat):
     def history_field(self) -> str | None:
         return "thinking"
 
-    def starts_inside(self, prompt: str) -> bool:
-        return prompt.endswith(self.opening[0])
-
     def switch(self, think: bool | str | None) -> Switch:
         """An effort level sets reasoning_effort; on, off and None keep the template's default
         (medium): gpt-oss always reasons (`can_switch_off` is False)."""
