@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from localrun.backends.base import abilities, engines_with
+from localrun.chat import Message
 from localrun.errors import ConversionError, ModelNotFoundError, UsageError
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.presets import Preset
 from localrun.store import ModelInfo, Store, hf_cache_dir, normalize_name
 
 _SCALE_RE = re.compile(r"^(?P<name>.+):(?P<scale>[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)$", re.IGNORECASE)
@@ -38,18 +40,59 @@ def parse_spec(spec: str) -> tuple[str, float]:
 
 @dataclass(frozen=True)
 class Target:
-    """What to run: a base model and the adapters applied to it (with their scales)."""
+    """What to run: a base model, the adapters applied to it (with their scales), and the settings of
+    the preset it was named by (if any)."""
 
     model: ModelInfo
     adapters: tuple[tuple[ModelInfo, float], ...] = ()
+    preset: Preset | None = None  # the merged settings of a preset's chain
+    preset_name: str | None = None
 
     @property
     def name(self) -> str:
-        """The name a reply is reported under (`base+adapter`, as given adapters are applied)."""
+        """The name a reply is reported under (`base+adapter`, as given adapters are applied; a
+        preset's own name)."""
+        if self.preset_name:
+            own = {a for a in self.preset.adapters} if self.preset else set()
+            extra = [a for a in self.adapters if a[0].path not in own and a[0].name not in own]
+            return "+".join([self.preset_name, *(a.name if s == 1.0 else f"{a.name}:{s:g}" for a, s in extra)])
         return "+".join([self.model.name, *(a.name if s == 1.0 else f"{a.name}:{s:g}" for a, s in self.adapters)])
 
+    def defaults(self) -> dict[str, Any]:
+        """GenerationParams fields the preset sets; a request's own options go over them."""
+        return self.preset.generation_values() if self.preset else {}
+
+    def under(self, params: GenerationParams) -> GenerationParams:
+        """params with the preset's settings where params keep localrun's own defaults (a front end
+        that cannot tell which settings were given: the TUI's)."""
+        default = GenerationParams()
+        given = {k: v for k, v in self.defaults().items() if getattr(params, k) == getattr(default, k)}
+        return replace(params, **given) if given else params
+
+    def request(self, request: Request) -> Request:
+        """The request with the preset's template, its system prompt (when the conversation has none)
+        and its starting conversation (before the request's messages, after its system prompt)."""
+        p = self.preset
+        if p is None or request.prompt is not None:
+            return request
+        messages = list(request.messages)
+        head = [m for m in messages[:1] if m.role == "system"]
+        rest = messages[len(head):]
+        if not head and p.system:
+            head = [Message("system", p.system)]
+        start = [Message(m["role"], m["content"]) for m in p.messages]
+        out = replace(request, messages=tuple(head + start + rest))
+        return replace(out, template=p.template) if p.template and not request.template else out
+
     def load_options(self, options: LoadOptions, engine: str) -> LoadOptions:
-        """The load options for this engine: one that applies adapters when it loads gets their PEFT folders."""
+        """The load options for this engine: the preset's where the options keep their defaults; one
+        that applies adapters when it loads gets their PEFT folders."""
+        if self.preset:
+            default = LoadOptions()
+            given = {k: v for k, v in self.preset.load_values().items()
+                     if hasattr(options, k) and getattr(options, k) == getattr(default, k)}
+            if given:
+                options = replace(options, **given)
         if abilities(engine).request_adapters or not self.adapters:
             return options
         return replace(options, lora=tuple((peft_folder(a, engine), s) for a, s in self.adapters))
@@ -114,9 +157,31 @@ def resolve(store: Store, name: str, lora: Sequence[str] = ()) -> Target:
     return make_target(store, store.get(base_name), refs)
 
 
+def preset_chain(store: Store, info: ModelInfo) -> tuple[ModelInfo, Preset | None]:
+    """The model a preset's FROM chain ends at, and the chain's settings merged (the nearest wins)."""
+    chain: list[Preset] = []
+    names = [info.name]
+    while info.is_preset:
+        chain.append(Preset.from_dict(info.details["preset"]))
+        info = store.get(chain[-1].base)
+        if info.name in names or len(names) > 16:
+            raise UsageError(f"preset '{names[0]}' has a FROM chain that loops ({' -> '.join([*names, info.name])})",
+                             "re-create one of them FROM a model")
+        names.append(info.name)
+    merged: Preset | None = None
+    for p in reversed(chain):
+        merged = p.over(merged)
+    return info, merged
+
+
 def make_target(store: Store, info: ModelInfo, refs: Sequence[tuple[ModelInfo, float]]) -> Target:
-    """A Target from a model (or an adapter, standing for its base with it) and adapters, checked."""
+    """A Target from a model (or an adapter, standing for its base with it; or a preset, standing for
+    its base with its settings and adapters) and adapters, checked."""
     adapters: list[tuple[ModelInfo, float]] = []
+    preset_name = info.name if info.is_preset else None
+    info, preset = preset_chain(store, info)
+    if preset:
+        refs = [*((find_adapter(store, a), 1.0) for a in preset.adapters), *refs]
     if info.is_adapter:
         adapters.append((info, 1.0))
         info = base_of(store, info)
@@ -135,7 +200,7 @@ def make_target(store: Store, info: ModelInfo, refs: Sequence[tuple[ModelInfo, f
             raise UsageError(
                 f"'{adapter.path}' is a PEFT folder; llama.cpp runs GGUF adapters",
                 f"convert it first: localrun convert {adapter.path}")
-    return Target(info, tuple(adapters))
+    return Target(info, tuple(adapters), preset, preset_name)
 
 
 def base_of(store: Store, adapter: ModelInfo) -> ModelInfo:

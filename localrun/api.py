@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from localrun.download import Progress as DownloadProgress
     from localrun.fit import ContextChoice, FitEstimate
     from localrun.hub import PullResult, RepoListing, RepoSummary
+    from localrun.imports import ImportResult
     from localrun.pool import Pool
+    from localrun.presets import Preset
     from localrun.reasoning import ReasoningFormat
 
 
@@ -80,6 +82,28 @@ def add_model(path: str | os.PathLike[str], name: str | None = None, replace: bo
     """
     extra = {"converted_from": os.path.abspath(converted_from)} if converted_from else None
     return store().add(path, name=name, replace=replace, extra=extra)
+
+
+def import_models(source: str, path: str | os.PathLike[str] | None = None, dry_run: bool = False) -> ImportResult:
+    """Register every model another tool downloaded, in place (nothing is copied).
+
+    Args:
+        source: "ollama" (its manifests and blobs: each model with its template, system prompt,
+            parameters, messages, licence and adapters as a preset NAME FROM `ollama/NAME`),
+            "lmstudio" (its models folder) or "hf" (GGUF files in the Hugging Face cache).
+        path: the folder to read (default: where that tool keeps its models).
+        dry_run: report what would be registered and write nothing.
+
+    Returns:
+        imports.ImportResult: what was registered (name, file, the tool's name, notes), what was
+        skipped and why, and names imported earlier whose files are gone.
+
+    Raises:
+        UsageError: an unknown source, or no such folder.
+    """
+    from localrun.imports import import_models as run_import
+
+    return run_import(source, path, dry_run=dry_run, store=store())
 
 
 def resolve_target(name: str, lora: Sequence[str] = ()) -> Target:
@@ -141,6 +165,62 @@ def remove_model(name: str) -> ModelInfo:
     return store().remove(name)
 
 
+def create_preset(name: str, modelfile: str | None = None, *, preset: Preset | None = None,
+                  base_dir: str | os.PathLike[str] | None = None,
+                  progress: Callable[[convert.Progress], None] | None = None) -> ModelInfo:
+    """Create (or replace) a preset from a Modelfile's text or a Preset: a store entry that points at
+    its base, with its own parameters, system prompt, template, adapters and starting conversation.
+
+    Args:
+        modelfile: Ollama's Modelfile format (FROM, PARAMETER, SYSTEM, TEMPLATE, ADAPTER, MESSAGE, LICENSE).
+        preset: the settings already read (Ollama's /api/create fields).
+        base_dir: the folder relative paths in the Modelfile are read from (default: the current one).
+        progress: conversion progress, when FROM names a Hugging Face checkpoint folder (converted to
+            GGUF and registered once; a later create from the same folder reuses it).
+
+    Raises:
+        UsageError: a Modelfile error naming its line; a name held by a model; a FROM chain that loops.
+        ModelNotFoundError: FROM names no installed model. ConversionError: FROM's folder fails to convert.
+    """
+    from localrun.presets import read_modelfile
+
+    root = Path(base_dir or os.getcwd())
+    if preset is None:
+        if modelfile is None:
+            raise UsageError("a preset needs a Modelfile or its settings")
+
+        def resolve(path: str) -> str:
+            return os.path.abspath(root / Path(path).expanduser())
+
+        preset = read_modelfile(modelfile, resolve)
+    base = Path(preset.base).expanduser()
+    if base.is_dir() and (base / "config.json").is_file() and not is_adapter_dir(base):
+        st = store()
+        done = st.converted_from(base)
+        model = st.get(done[0]) if done else convert_model(base, progress=progress)
+        preset = dataclasses.replace(preset, base=model.name)
+    for adapter in preset.adapters:
+        if Path(adapter).is_dir() and is_adapter_dir(adapter):
+            continue
+        store().get(adapter)  # a missing adapter is an error now, not at run time
+    return store().add_preset(name, preset)
+
+
+def modelfile(name: str) -> str:
+    """A Modelfile that `create` turns back into this model: a preset's own settings, or FROM the model."""
+    from localrun.presets import Preset
+
+    info = get_model(name)
+    if info.is_preset:
+        return Preset.from_dict(info.details["preset"]).modelfile(f"Modelfile of {info.name}, written by localrun")
+    return Preset(info.name).modelfile(f"Modelfile of {info.name}, written by localrun")
+
+
+def copy_model(source: str, destination: str) -> ModelInfo:
+    """Another name for a model (the same file, nothing copied) or a preset (the same settings)."""
+    return store().copy(source, destination)
+
+
 def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
     """The engine that will run a model: the forced one if it can, else the first available.
 
@@ -194,21 +274,25 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
 
 
 @contextmanager
-def use_target(pool: Pool, target: Target, keep_alive: float | None = None) -> Iterator[tuple[Session, str]]:
+def use_target(pool: Pool, target: Target, keep_alive: float | None = None,
+               options: LoadOptions | None = None) -> Iterator[tuple[Session, str]]:
     """A pooled session for a model with adapters, and its engine (give `target.params(params,
     engine)` to each request).
 
     An engine with per-request adapters (llama.cpp) keeps one base model loaded and applies each
     request's adapters; one that applies them when it loads (MLX) loads a model with adapters
-    apart from the bare base.
+    apart from the bare base. `options`: a client's load options over the pool's (n_ctx: the
+    least context it needs; kv_type), as Pool.use takes them.
     """
     engine = choose_engine(target.model, pool.engine)
+    base = options or pool.options
     if not abilities(engine).request_adapters and target.adapters:
         info = dataclasses.replace(target.model, name=target.name)
-        with pool.use(info, keep_alive, options=target.load_options(pool.options, engine)) as session:
+        with pool.use(info, keep_alive, options=target.load_options(base, engine)) as session:
             yield session, engine
     else:
-        with pool.use(target.model, keep_alive) as session:
+        options = target.load_options(base, engine)
+        with pool.use(target.model, keep_alive, options=None if options == pool.options else options) as session:
             yield session, engine
 
 
@@ -704,7 +788,7 @@ def benchmark(spec: BenchSpec, progress: BenchProgress | None = None) -> Iterato
 
 def evaluate(model: str, text: str | os.PathLike[str], reference: str | None = None, *, n_ctx: int = 512,
              chunks: int | None = None, n_batch: int = 2048, threads: int | None = None, use_cache: bool = True,
-             progress: EvalProgress | None = None) -> EvalResult:
+             progress: EvalProgress | None = None, kv_type: str = "f16") -> EvalResult:
     """Perplexity of a model on a text as llama-perplexity scores it; with a reference (the same
     tokenizer), also the KL divergence and top-token agreement. Runs in a child process.
 
@@ -714,6 +798,7 @@ def evaluate(model: str, text: str | os.PathLike[str], reference: str | None = N
         n_ctx, chunks, n_batch, threads: llama-perplexity's -c, --chunks, -b, -t.
         use_cache: reuse the reference's logits from an earlier run.
         progress: called as chunks are scored.
+        kv_type: the model's KV-cache type (f16, q8_0, q4_0); the reference's stays f16.
 
     Returns:
         EvalResult whose model (and divergence.reference) are the store names, with their files.
@@ -729,7 +814,7 @@ def evaluate(model: str, text: str | os.PathLike[str], reference: str | None = N
         m = _gguf_model(model, "eval")
         ref = _gguf_model(reference, "eval") if reference is not None else None
         result = worker.run(m.path, text, ref.path if ref else None, n_ctx=n_ctx, chunks=chunks, n_batch=n_batch,
-                            threads=threads, use_cache=use_cache, progress=progress)
+                            threads=threads, use_cache=use_cache, progress=progress, kv_type=kv_type)
     d = result.divergence
     if d is not None and ref is not None:
         d = dataclasses.replace(d, reference=ref.name, reference_path=ref.path)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from localrun.chat import Message, parse_messages
 from localrun.errors import UsageError
 
 THINK_EFFORTS = ("low", "medium", "high")
+# The KV-cache types a model loads with (--kv-type): llama.cpp's cache types; q8_0 and q4_0 store
+# 8.5 and 4.5 bits per value, and need flash attention for the V cache.
+KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def _adapters(value: Any) -> tuple[tuple[str, float], ...]:
@@ -90,6 +93,13 @@ class GenerationParams:
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
+    def layered(cls, defaults: dict[str, Any] | None, values: dict[str, Any]) -> GenerationParams:
+        """The settings a request gives (values) over a preset's (defaults) over localrun's own; an
+        empty stop list counts as not given."""
+        given = {k: v for k, v in values.items() if not (k == "stop" and not v)}
+        return cls(**{**(defaults or {}), **given})
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationParams:
         """Build from a JSON-style dict; unknown keys are an error."""
         known = {f.name for f in fields(cls)}
@@ -128,9 +138,15 @@ class LoadOptions:
     # Mixture-of-experts models: the expert tensors of the first N layers ("all": every layer) stay
     # in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe do; 0: placed like the other tensors.
     cpu_moe: int | str = 0
+    kv_type: str = "f16"  # the KV cache's type: one of KV_TYPES
 
     def __post_init__(self) -> None:
         _check(self.n_ctx is None or 16 <= self.n_ctx <= 1 << 22, "--ctx", self.n_ctx, "an integer of at least 16")
+        _check(self.kv_type in KV_TYPES, "--kv-type", self.kv_type, " or ".join(KV_TYPES))
+        if self.kv_type != "f16" and self.flash_attn is False:
+            raise UsageError(f"--kv-type {self.kv_type} needs flash attention, and --flash-attn is off",
+                             "drop --flash-attn off (flash attention then turns on for a quantized cache), "
+                             "or keep the f16 cache")
         _check(self.n_threads is None or 1 <= self.n_threads <= 1024, "--threads", self.n_threads, "an integer >= 1")
         g = self.gpu_layers
         _check(g == "auto" or (isinstance(g, int) and g >= -1), "--gpu-layers", g, "'auto' or an integer >= 0")
@@ -156,6 +172,7 @@ class Request:
     # Thinking on (True), off (False), at an effort ("low", "medium", "high"), or as the template's default (None)
     think: bool | str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # a client's chat_template_kwargs
+    template: str | None = None  # a Jinja chat template used instead of the model's own (a preset's TEMPLATE)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
@@ -183,13 +200,14 @@ class Request:
 
     def to_dict(self) -> dict[str, Any]:
         return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt, "tools": list(self.tools),
-                "think": self.think, "template_kwargs": dict(self.template_kwargs)}
+                "think": self.think, "template_kwargs": dict(self.template_kwargs), "template": self.template}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Request:
         if data.get("prompt") is not None:
             return cls(prompt=data["prompt"], think=data.get("think"))
-        return cls.chat(data["messages"], data.get("tools") or (), data.get("think"), data.get("template_kwargs"))
+        req = cls.chat(data["messages"], data.get("tools") or (), data.get("think"), data.get("template_kwargs"))
+        return replace(req, template=data["template"]) if data.get("template") else req
 
 
 @dataclass(frozen=True)

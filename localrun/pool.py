@@ -4,6 +4,12 @@ Used by the TUI and the server alike. Keep-alive follows Ollama's rule: a model 
 `keep_alive` seconds after its last use ends (negative or infinite: forever; 0: unload as soon as
 nobody uses it). At most `max_loaded` models are loaded at once; to load another, the one idle
 longest is unloaded, and a model that would not fit in the available memory is refused.
+
+A loaded instance is a model under its load options: a use whose options differ (a KV-cache type,
+a context larger than any loaded instance has) gets an instance of its own, beside the others when
+max_loaded and the memory allow, else in place of the one idle longest. A use's n_ctx is the least
+context it needs, so an instance with a larger context serves it; an instance is never loaded with
+less than the pool's default context, so one serves every use that asks for no more than that.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
@@ -45,7 +51,9 @@ class LoadedModel:
 class _Entry:
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         self.model = model
-        self.options = options
+        self.options = options  # what it was loaded with
+        self.settings = replace(options, n_ctx=None)  # the options that must match a use's exactly
+        self.context: int | None = options.n_ctx  # per sequence; the engine's own once loaded
         self.session: Session | None = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -70,7 +78,8 @@ class Pool:
         self._loader = loader
         self._resolve = resolve
         self._lock = threading.Condition()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[tuple[str, LoadOptions], _Entry] = {}  # (model name, load options) -> instance
+        self._defaults: dict[tuple[str, LoadOptions], int] = {}  # the default context of (name, settings)
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="pool-reaper")
         self._reaper.start()
@@ -85,8 +94,9 @@ class Pool:
             model: a store name or a ModelInfo (loaded models are told apart by its name).
             keep_alive: seconds to stay loaded after this use (None: the pool's default;
                 negative or inf: forever; 0: unload when the last user leaves).
-            options: load options for this model instead of the pool's (MLX adapters applied at
-                load: the model then goes under its own name, e.g. base+adapter).
+            options: load options for this model instead of the pool's (a client's context or
+                KV-cache type, MLX adapters applied at load: the model then goes under its own
+                name, e.g. base+adapter). Their n_ctx is the least context the use needs.
 
         Raises:
             ModelNotFoundError, BadModelFileError, BackendUnavailableError, EngineError (load
@@ -106,25 +116,29 @@ class Pool:
             return s
 
     def _acquire(self, info: ModelInfo, options: LoadOptions) -> _Entry:
+        need = options.n_ctx or 0
+        default = self._default_context(info, options) if need else None  # outside the lock: it reads the machine
         while True:
             with self._lock:
                 if self._closed:
                     raise EngineError("the model pool is closed")
-                entry = self._entries.get(info.name)
+                entry = self._find(info.name, options, default)
                 if entry is not None and entry.ready.is_set() and entry.error is None:
                     assert entry.session is not None
                     if entry.session.alive:
                         entry.users += 1
                         entry.expires = math.inf
                         return entry
-                    self._entries.pop(info.name)  # the engine crashed: load it again
+                    self._drop(entry)  # the engine crashed: load it again
                     self._close_later(entry)
                     entry = None
                 if entry is None:
-                    self._make_room(info)
-                    entry = _Entry(info, options)
+                    # Never less than the default context, so that the instance serves the uses that ask for none
+                    load = replace(options, n_ctx=max(need, default or 0)) if need else options
+                    self._make_room(info, load)
+                    entry = _Entry(info, load)
                     entry.users = 1
-                    self._entries[info.name] = entry
+                    self._entries[info.name, load] = entry
                     loading = True
                 else:
                     loading = False
@@ -134,18 +148,60 @@ class Pool:
             if entry.error is not None:
                 raise entry.error
 
+    def _find(self, name: str, options: LoadOptions, default: int | None) -> _Entry | None:
+        """The instance that serves a use of these options: the same settings and at least the
+        context asked for (a loading one without a known context is taken to get `default`), a
+        loaded one before a loading one, the smallest context first; called with the lock held."""
+        settings, need = replace(options, n_ctx=None), options.n_ctx or 0
+        best: tuple[bool, int] | None = None
+        found = None
+        for e in self._entries.values():
+            if e.model.name != name or e.settings != settings or e.error is not None:
+                continue
+            context = e.context or (default if not e.ready.is_set() else None) or 0
+            if need and context < need:
+                continue
+            rank = (not e.ready.is_set(), context)
+            if best is None or rank < best:
+                best, found = rank, e
+        return found
+
+    def _default_context(self, info: ModelInfo, options: LoadOptions) -> int:
+        """The context an instance loads with when a use asks for none: --ctx, else what the engine
+        chooses (fit.context_for), as the first such instance reported it."""
+        if self.options.n_ctx:
+            return self.options.n_ctx
+        settings = replace(options, n_ctx=None)
+        known = self._defaults.get((info.name, settings))
+        if known is None:
+            from localrun.fit import context_for
+
+            known = self._defaults.setdefault((info.name, settings), context_for(info, settings).tokens)
+        return known
+
     def _load_entry(self, entry: _Entry) -> _Entry:
         try:
             entry.session = self._loader(entry.model, entry.options, engine=self.engine, event_loop=self.event_loop)
+            context = (entry.session.info() or {}).get("n_ctx")
         except BaseException as e:
             entry.error = e
             with self._lock:
-                if self._entries.get(entry.model.name) is entry:
-                    self._entries.pop(entry.model.name)
+                self._drop(entry)
             entry.ready.set()
             raise
+        with self._lock:
+            if isinstance(context, int):
+                entry.context = context
+                if entry.options.n_ctx is None:  # the engine's own default for these settings
+                    self._defaults[entry.model.name, entry.settings] = context
         entry.ready.set()
         return entry
+
+    def _drop(self, entry: _Entry) -> None:
+        """Forget an instance (if it is still the pool's); called with the lock held."""
+        key = (entry.model.name, entry.options)
+        if self._entries.get(key) is entry:
+            self._entries.pop(key)
 
     def _release(self, entry: _Entry, keep_alive: float) -> None:
         with self._lock:
@@ -157,12 +213,12 @@ class Pool:
                 entry.expires = math.inf
             else:
                 entry.expires = time.monotonic() + keep_alive
-            if keep_alive == 0 and self._entries.get(entry.model.name) is entry:
-                self._entries.pop(entry.model.name)
+            if keep_alive == 0 and self._entries.get((entry.model.name, entry.options)) is entry:
+                self._drop(entry)
                 self._close_later(entry)
             self._lock.notify_all()
 
-    def _make_room(self, info: ModelInfo) -> None:
+    def _make_room(self, info: ModelInfo, options: LoadOptions) -> None:
         """Unload idle models until one more fits (count and memory); called with the lock held."""
         from localrun.system import ram_bytes
 
@@ -176,7 +232,7 @@ class Pool:
                 raise ServerBusyError(f"cannot load '{info.name}': {len(self._entries)} model(s) are loaded and in use",
                                       "retry when a request ends, or start the server with a larger --max-loaded")
             self._evict(victims[0])
-        need = int(info.size * MEMORY_MARGIN)
+        need = _memory(info, options.n_ctx, options)
         available = ram_bytes()[1]
         if available is None:
             return
@@ -184,7 +240,7 @@ class Pool:
             if need <= available:
                 break
             self._evict(victim)
-            available += victim.model.size
+            available += _memory(victim.model, victim.context, victim.options)
         if need > available:
             raise EngineError(
                 f"not enough memory to load '{info.name}': it needs about {need / 1e9:.1f} GB, "
@@ -192,7 +248,7 @@ class Pool:
                 "unload other models, close other programs, or use a smaller quantization")
 
     def _evict(self, entry: _Entry) -> None:
-        self._entries.pop(entry.model.name, None)
+        self._drop(entry)
         self._close_later(entry)
 
     @staticmethod
@@ -204,14 +260,15 @@ class Pool:
 
     # -- state ------------------------------------------------------------------------------
     def unload(self, name: str) -> bool:
-        """Unload a model now; requests still running on it end with an error."""
+        """Unload a model now (every instance of it); requests still running on it end with an error."""
         with self._lock:
-            entry = self._entries.pop(name, None)
-        if entry is None:
-            return False
-        if entry.session is not None:
-            _close_quietly(entry.session)
-        return True
+            entries = [e for e in self._entries.values() if e.model.name == name]
+            for e in entries:
+                self._drop(e)
+        for e in entries:
+            if e.session is not None:
+                _close_quietly(e.session)
+        return bool(entries)
 
     def loaded(self) -> list[LoadedModel]:
         """The models loaded now, most recently used first."""
@@ -262,3 +319,15 @@ def _close_quietly(session: Session) -> None:
         session.close()
     except Exception:  # noqa: BLE001 - a dead engine process is already closed
         pass
+
+
+def _memory(model: ModelInfo, context: int | None, options: LoadOptions) -> int:
+    """What an instance takes: for a GGUF, llama.cpp's own buffers (weights, every sequence's KV
+    cache, compute and output buffers: fit.model_memory); for another format the weights with a
+    margin, and the KV cache of every sequence when its context is known."""
+    from localrun.fit import kv_cache_bytes, model_memory, shape_of
+
+    if model.format == "gguf":
+        return model_memory(model, options, context).total
+    kv = kv_cache_bytes(shape_of(model), context * options.n_parallel, options.kv_type) if context else 0
+    return int(model.size * MEMORY_MARGIN) + kv

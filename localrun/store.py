@@ -69,12 +69,16 @@ class ModelInfo:
     quantization: str | None = None
     context_length: int | None = None
     details: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    kind: str = "model"  # "model", or "adapter" (a LoRA adapter, run on its base model)
-    base: str | None = None  # an adapter's base model in the store, when known
+    kind: str = "model"  # "model", "adapter" (a LoRA adapter, run on its base model) or "preset"
+    base: str | None = None  # an adapter's base model in the store, when known; a preset's FROM
 
     @property
     def is_adapter(self) -> bool:
         return self.kind == "adapter"
+
+    @property
+    def is_preset(self) -> bool:
+        return self.kind == "preset"
 
     def to_dict(self, with_details: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; details only when asked."""
@@ -89,9 +93,11 @@ class ModelInfo:
             "quantization": self.quantization,
             "context_length": self.context_length,
         }
-        if self.is_adapter:
+        if self.is_adapter or self.is_preset:
             out["kind"] = self.kind
             out["base"] = self.base
+        if self.details.get("missing"):
+            out["missing"] = True
         if with_details:
             out.update(self.details)
         return out
@@ -287,7 +293,8 @@ class Store:
         names: set[str] = set()
         for name, entry in sorted(data["models"].items()):
             out.append((name, entry["path"], entry.get("format", "gguf"), entry.get("source", "added"), entry))
-            seen_paths.add(os.path.realpath(entry["path"]))
+            if entry.get("kind") != "preset":  # a preset's path is its base's, which stays listed
+                seen_paths.add(os.path.realpath(entry["path"]))
             names.add(name)
         for name, path, source in self._discovered():
             real = os.path.realpath(path)
@@ -298,7 +305,7 @@ class Store:
             seen_paths.add(real)
             names.add(name)
             out.append((name, path, "gguf", source, {}))
-        return out
+        return _with_preset_paths(out)
 
     def _discovered(self) -> Iterator[tuple[str, str, str]]:
         starter = starter_model_path()
@@ -312,12 +319,19 @@ class Store:
         infos = []
         for name, path, fmt, source, entry in self._entries():
             if not os.path.exists(path):
+                if entry:  # registered, and its file was deleted (by hand, or by the tool it came from)
+                    infos.append(ModelInfo(name, path, fmt, source, 0, kind=entry.get("kind", "model"),
+                                           details={"missing": True, "error": f"its file '{path}' is gone"}))
                 continue
             try:
                 infos.append(self._info(name, path, fmt, source, entry))
             except BadModelFileError as e:
                 infos.append(ModelInfo(name, path, fmt, source, _size(path), details={"error": e.message}))
         return infos
+
+    def registered(self) -> dict[str, dict[str, Any]]:
+        """The registry's entries by name, as written (copies): what `add` and `add_preset` recorded."""
+        return json.loads(json.dumps(self._read()["models"]))
 
     def names(self) -> builtins.list[str]:  # `list` here would be the method above
         """Names of every model, without reading any file."""
@@ -399,6 +413,68 @@ class Store:
                 data["hidden"].remove(new_name)
         return self._info(new_name, str(p), fmt, source, record)
 
+    def add_preset(self, name: str, preset: Any, replace: bool = False) -> ModelInfo:
+        """Register a preset (localrun.presets.Preset) under a name: an entry that points at its base,
+        checked to resolve to an installed model now; no model bytes are copied."""
+        new_name = normalize_name(name)
+        if ":" not in new_name:
+            new_name += ":latest"
+        if not _NAME_RE.match(new_name):
+            raise UsageError(
+                f"'{name}' is not a valid model name",
+                "use lower-case letters, digits, '.', '-', '_' and one ':' before the tag, e.g. 'mario:latest'",
+            )
+        root = self.get(preset.base)
+        seen = {new_name}
+        while root.is_preset:
+            if root.name in seen:
+                raise UsageError(f"preset '{new_name}' would be its own base (through '{root.name}')",
+                                 "give FROM a model or another preset")
+            seen.add(root.name)
+            root = self.get(root.base or "")
+        if root.is_adapter:
+            raise UsageError(f"'{root.name}' is a LoRA adapter, not a model",
+                             "use FROM BASE_MODEL and ADAPTER for the adapter")
+        with self.transaction() as data:
+            existing = data["models"].get(new_name)
+            if existing and not replace and existing.get("kind") != "preset":
+                raise UsageError(f"a model named '{new_name}' is already installed ({existing['path']})",
+                                 "choose another name, or remove it first with 'localrun rm'")
+            record = {"kind": "preset", "path": root.path, "format": root.format, "source": "preset",
+                      "preset": preset.to_dict(), "added_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            data["models"][new_name] = record
+            if new_name in data["hidden"]:
+                data["hidden"].remove(new_name)
+        return self._info(new_name, root.path, root.format, "preset", record)
+
+    def copy(self, source: str, destination: str) -> ModelInfo:
+        """Register another name for a model (its file, nothing copied) or a preset (its settings)."""
+        info = self.get(source)
+        if info.source == "path":
+            raise ModelNotFoundError(f"'{source}' is a path, not an installed model", "run 'localrun list'")
+        if info.is_preset:
+            from localrun.presets import Preset
+
+            return self.add_preset(destination, Preset.from_dict(info.details["preset"]))
+        entry = dict(self._read()["models"].get(info.name) or {})
+        keep = {k: v for k, v in entry.items() if k not in ("path", "format", "source", "added_at")}
+        source_kind = info.source if info.source in ("store", "added") else "added"
+        name = normalize_name(destination)
+        return self.add(info.path, name=name if ":" in name else f"{name}:latest", source=source_kind, extra=keep)
+
+    def presets_of(self, model: ModelInfo) -> builtins.list[str]:
+        """Names of the presets whose FROM is this model (by name, or by its path)."""
+        data = self._read()
+        out = []
+        for n, e in data["models"].items():
+            if e.get("kind") != "preset" or n == model.name:
+                continue
+            base = str((e.get("preset") or {}).get("base", ""))
+            if normalize_name(base) in (model.name, model.name.removesuffix(":latest")) or (
+                    os.sep in base and os.path.realpath(base) == os.path.realpath(model.path)):
+                out.append(n)
+        return sorted(out)
+
     def adapters_of(self, base: str) -> builtins.list[ModelInfo]:
         """The registered adapters whose base is this model."""
         return [m for m in self.list() if m.is_adapter and m.base == base]
@@ -417,11 +493,20 @@ class Store:
         info = self.get(name)
         if info.source == "path":
             raise ModelNotFoundError(f"'{name}' is a path, not an installed model", "run 'localrun list'")
+        users = self.presets_of(info)
+        if users:
+            raise UsageError(
+                f"'{info.name}' is the base of the preset{'s' if len(users) > 1 else ''} {', '.join(users)}",
+                f"remove {'them' if len(users) > 1 else 'it'} first: localrun rm {' '.join(users)}")
         with self.transaction() as data:
             if info.name in data["models"]:
                 del data["models"][info.name]
             else:
                 data["hidden"].append(info.name)
+        still_used = any(os.path.realpath(e["path"]) == os.path.realpath(info.path) and e.get("kind") != "preset"
+                         for e in self._read()["models"].values())
+        if still_used:  # another name (localrun cp, /api/copy) still points at the file
+            return info
         if info.source == "store":
             _delete_owned(Path(info.path), self.models_dir)
         elif info.source in ("hf-cache", "hub"):
@@ -452,9 +537,11 @@ class Store:
             parameters=base.parameters,
             quantization=base.quantization,
             context_length=base.context_length,
-            details={**base.details, **({"adapter": entry["adapter"]} if entry and entry.get("adapter") else {})},
-            kind=base.kind,
-            base=self._base_of(entry) if base.kind == "adapter" else None,
+            details={**base.details, **({"adapter": entry["adapter"]} if entry and entry.get("adapter") else {}),
+                     **({"preset": entry["preset"]} if entry and entry.get("preset") else {})},
+            kind="preset" if entry and entry.get("kind") == "preset" else base.kind,
+            base=(str(entry["preset"]["base"]) if entry and entry.get("kind") == "preset"
+                  else self._base_of(entry) if base.kind == "adapter" else None),
         )
 
     def _base_of(self, entry: dict[str, Any] | None) -> str | None:
@@ -468,6 +555,32 @@ class Store:
             found = self.converted_from(base_path)
             return found[0] if found else None
         return None
+
+
+def _with_preset_paths(entries: list[tuple[str, str, str, str, dict[str, Any]]]
+                       ) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    """Each preset with the path and format of the model its FROM chain ends at now (a base removed
+    and added again elsewhere is followed); an unresolved chain keeps the path recorded at create."""
+    by_name = {e[0]: e for e in entries}
+    out = []
+    for entry in entries:
+        name, path, fmt, source, extra = entry
+        current = entry
+        for _ in range(16):
+            if current[4].get("kind") != "preset":
+                break
+            base = str(current[4].get("preset", {}).get("base", ""))
+            wanted = normalize_name(base)
+            nxt = by_name.get(wanted) or by_name.get(f"{wanted}:latest")
+            if nxt is None:
+                if os.sep in base and os.path.exists(base):
+                    current = (base, base, detect_format(Path(base)), "path", {})
+                break
+            current = nxt
+        if extra.get("kind") == "preset" and current[4].get("kind") != "preset":
+            path, fmt = current[1], current[2]
+        out.append((name, path, fmt, source, extra))
+    return out
 
 
 def _size(path: str) -> int:
@@ -555,9 +668,10 @@ def starter_model_path() -> Path | None:
     return None
 
 
-def hf_cache_ggufs() -> Iterator[tuple[str, str, str]]:
-    """(name, path, 'hf-cache') for each GGUF in the Hugging Face cache (first shard of splits)."""
-    cache = hf_cache_dir()
+def hf_cache_ggufs(cache: Path | None = None) -> Iterator[tuple[str, str, str]]:
+    """(name, path, 'hf-cache') for each GGUF in the Hugging Face cache (first shard of splits);
+    cache: another hub cache folder than the one in use."""
+    cache = cache or hf_cache_dir()
     if not cache.is_dir():
         return
     for repo_dir in sorted(cache.glob("models--*")):

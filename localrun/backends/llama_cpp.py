@@ -17,7 +17,9 @@ from typing import Any
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_loader import (
+    GGML_KV_TYPES,
     LOG,
+    KvCacheReport,
     last_log_error,
     libggml,
     library,
@@ -29,8 +31,9 @@ from localrun.errors import (
     BadModelFileError,
     ContextOverflowError,
     EngineError,
+    UsageError,
 )
-from localrun.fit import context_for
+from localrun.fit import Shape, context_for, kv_cache_bytes
 from localrun.generation import (
     GenerationParams,
     LoadOptions,
@@ -143,11 +146,15 @@ class LlamaCppEngine:
         self.batch: Any = None
         self._embed_ctx: Any = None
         self.n_slots = 0
+        self.kv_caches: list[KvCacheReport] = []  # llama.cpp's report of the context's KV cache
         slots = min(options.n_parallel, self._slots_in_ram(self.n_ctx))
         while True:
             try:
                 self.make_context(self.n_ctx, slots)
                 break
+            except UsageError:
+                self.close()
+                raise
             except EngineError:
                 if slots == 1:
                     self.close()
@@ -200,11 +207,24 @@ class LlamaCppEngine:
         cparams.n_threads_batch = self.threads
         cparams.no_perf = True
         cparams.kv_unified = False
-        if options.flash_attn is not None:
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = cparams.type_v = GGML_KV_TYPES[options.kv_type]
+        # A quantized V cache needs flash attention: on unless the user turned it off (LoadOptions refuses that)
+        flash = True if options.kv_type != "f16" and options.flash_attn is None else options.flash_attn
+        if flash is not None:
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
-        self.ctx = new_context(self.model, cparams, f"a context of {what} for '{self.model_info.name}'",
-                               "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
+        LOG.kv_caches.clear()
+        try:
+            self.ctx = new_context(self.model, cparams, f"a context of {what} for '{self.model_info.name}'",
+                                   "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
+        except EngineError as e:
+            # llama.cpp refuses a quantized cache whose blocks (32 values) do not divide a head's size
+            reason = next((line.strip() for line in LOG.tail if "does not divide" in line), None)
+            if options.kv_type != "f16" and reason:
+                raise UsageError(f"--kv-type {options.kv_type} cannot hold the KV cache of '{self.model_info.name}': "
+                                 f"{reason.split(': ', 1)[-1]}", "use --kv-type f16") from e
+            raise
+        self.kv_caches = list(LOG.kv_caches)
         self.n_slots = n_parallel
         self.n_batch = cparams.n_batch
         # While sequences generate, a step takes at most this many prompt tokens: a long prompt is
@@ -214,17 +234,17 @@ class LlamaCppEngine:
         self.batch = ll.llama_batch_init(max(cparams.n_batch, n_parallel), 0, 1)
 
     def _slots_in_ram(self, size: int) -> int:
-        """How many sequences of size tokens an f16 KV cache fits in half the available RAM."""
+        """How many sequences of size tokens the KV cache (of --kv-type) fits in half the available RAM."""
         from localrun.system import ram_bytes
 
         ll = self.ll
         available = ram_bytes()[1]
         if not available or self.gpu_layers != 0:
             return 1 << 30  # on a GPU a failed allocation makes the constructor retry with fewer
-        n_head = max(1, ll.llama_model_n_head(self.model))
-        per_token = 2 * 2 * ll.llama_model_n_layer(self.model) * ll.llama_model_n_embd(self.model) \
-            * ll.llama_model_n_head_kv(self.model) // n_head
-        return max(1, available // 2 // max(1, per_token * size))
+        head = ll.llama_model_n_embd(self.model) // max(1, ll.llama_model_n_head(self.model))
+        shape = Shape(ll.llama_model_n_layer(self.model), ll.llama_model_n_head_kv(self.model), head, head, None)
+        per_sequence = kv_cache_bytes(shape, size, self.options.kv_type)
+        return max(1, available // 2 // max(1, per_sequence))
 
     def _free_context(self) -> None:
         if self.batch is not None:
@@ -247,6 +267,10 @@ class LlamaCppEngine:
             "n_ctx": self.n_ctx,
             "n_ctx_train": self.n_train,
             "n_parallel": self.n_slots,
+            "kv_type": self.options.kv_type,
+            # K and V of every sequence, as llama.cpp reported the caches it allocated
+            "kv_bytes": round(sum(c.k_mib + c.v_mib for c in self.kv_caches) * (1 << 20)),
+            "kv_cache": [c.to_dict() for c in self.kv_caches],
             "n_threads": self.threads,
             "gpu_layers": self.gpu_layers,
             "offloaded": self.offloaded,
@@ -309,8 +333,9 @@ class LlamaCppEngine:
             tokens = self.tokenize(request.prompt, add_special=True, parse_special=False)
             return tokens or [self.bos]
         bos_text = self.token_text(self.bos)
-        if self._template:
-            text = render_chat(self._template, self.reasoning, request, bos_text, self.token_text(self.eos))
+        template = request.template or self._template
+        if template:
+            text = render_chat(template, self.reasoning, request, bos_text, self.token_text(self.eos))
         else:
             text = render_plain(request.messages)
             stops.extend(PLAIN_STOPS)

@@ -21,6 +21,29 @@ _OFFLOAD_RE = re.compile(r"offloaded (\d+/\d+) layers to GPU")
 # llama.cpp logs (at debug level) each tensor an override places: "tensor blk.0.ffn_up_exps.weight
 # (0 MiB f32) buffer type overridden to CPU".
 _OVERRIDE_RE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+# llama.cpp logs each KV cache a context creates: "llama_kv_cache: size =   22.50 MiB (  4096 cells,
+# 30 layers,  1/1 seqs), K (q8_0):   11.95 MiB, V (q8_0):   11.95 MiB".
+_KV_RE = re.compile(r"size = +[\d.]+ MiB \( *(\d+) cells, +(\d+) layers, +\d+/(\d+) seqs\), "
+                    r"K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
+# ggml's type ids of the KV-cache types (LoadOptions.kv_type), as llama_context_params.type_k/type_v take them
+GGML_KV_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+@dataclass(frozen=True)
+class KvCacheReport:
+    """One KV cache as llama.cpp reported it when it created a context (sizes in MiB, 2 decimals)."""
+
+    cells: int
+    layers: int
+    streams: int
+    k_type: str
+    k_mib: float
+    v_type: str
+    v_mib: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cells": self.cells, "layers": self.layers, "streams": self.streams, "k_type": self.k_type,
+                "k_mib": self.k_mib, "v_type": self.v_type, "v_mib": self.v_mib}
 BAD_FILE_HINT = "the file may be corrupt or of an architecture this llama.cpp build does not know"
 
 
@@ -31,6 +54,7 @@ class LlamaLog:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     offloaded: str | None = None  # 'N/M' layers on the GPU, if the load offloaded
     overridden: list[tuple[str, str]] = field(default_factory=list)  # (tensor, buffer type) by override
+    kv_caches: list[KvCacheReport] = field(default_factory=list)  # the KV caches of the contexts created since clear()
 
     def add(self, line: str) -> None:
         self.tail.append(line)
@@ -40,12 +64,17 @@ class LlamaLog:
         o = _OVERRIDE_RE.search(line)
         if o:
             self.overridden.append((o.group(1), o.group(2)))
+        k = _KV_RE.search(line)
+        if k:
+            self.kv_caches.append(KvCacheReport(int(k.group(1)), int(k.group(2)), int(k.group(3)), k.group(4),
+                                                float(k.group(5)), k.group(6), float(k.group(7))))
 
     def clear(self) -> None:
         """Forget earlier lines, so that the next failure's reason is its own."""
         self.tail.clear()
         self.offloaded = None
         self.overridden.clear()
+        self.kv_caches.clear()
 
     def last_error(self) -> str:
         """The last meaningful line llama.cpp logged (often the reason for a failure)."""

@@ -99,6 +99,14 @@ class MLXBackend:
                 " (MLX keeps every weight in unified memory)",
                 "drop --cpu-moe, or run a GGUF copy of the model on llama.cpp",
             )
+        if options.kv_type != "f16":
+            # mlx-lm's QuantizedKVCache has no batched form: its BatchGenerator refuses to merge one
+            raise UsageError(
+                f"--kv-type {options.kv_type}: the MLX engine keeps an f16 KV cache only (mlx-lm batches no "
+                f"quantized cache), and '{model.name}' runs on MLX",
+                "drop --kv-type, or run a GGUF copy of the model on llama.cpp "
+                f"('localrun convert {model.path}' makes one from a Hugging Face checkpoint)",
+            )
         return MLXEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:
@@ -405,8 +413,9 @@ class MLXEngine:
         if request.prompt is not None:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
-        if self.template:
-            text = render_chat(self.template, self.reasoning, request, bos, tok.eos_token or "")
+        template = request.template or self.template
+        if template:
+            text = render_chat(template, self.reasoning, request, bos, tok.eos_token or "")
         elif getattr(tok, "_chat_template", None) is not None:
             # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).
             text = tok.apply_chat_template([m.to_dict() for m in request.messages], tokenize=False,

@@ -82,9 +82,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
         api.require_ray()  # the install hint before any work
     elif args.model_path or args.ray_actors or args.ray_cpus_per_actor or args.ray_gpus_per_actor:
         raise UsageError("--ray-actors, --ray-cpus-per-actor, --ray-gpus-per-actor and --model-path need --ray")
-    params = params_from_args(args)
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
+    params = params_from_args(args, target.defaults())
     params, options = target.params(params, engine), target.load_options(options, engine)
     think = think_from_args(args)
     thinks = check_think(target.model, engine, think)
@@ -106,6 +106,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     plan = tool_plan_from_args(args, model)
     if plan is not None:
         rows, params = batching.with_tools(rows, params, plan), plan.params(params)
+    if target.preset is not None:  # the preset's system prompt, starting conversation and template
+        rows = [dataclasses.replace(r, request=target.request(r.request)) if r.request is not None else r for r in rows]
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
         limit = api.default_context(model, options).tokens
         options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from localrun.cli.options import int_in, stderr_bar
+from localrun.cli.options import add_kv_type_flag, int_in, stderr_bar
 
 if TYPE_CHECKING:
     from localrun.workbench.perplexity import EvalProgress
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", "-b", type=int_in(1), default=2048, metavar="N",
                    help="tokens per llama_decode: batch-size/ctx chunks at once (default 2048)")
     p.add_argument("--threads", "-t", type=int_in(1), metavar="N", help="CPU threads (default: every core up to 4)")
+    add_kv_type_flag(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the reference's logits instead of reusing them")
     p.add_argument("--json", action="store_true", help="print one JSON object with every statistic")
     p.set_defaults(func=cmd_eval)
@@ -35,14 +36,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Score MODEL on the text of --text as llama.cpp's llama-perplexity does: chunks of --ctx
     tokens, each starting with BOS, the second half of each scored. With --reference, also the KL
     divergence of MODEL's next-token distributions from the reference's, how often their top
-    tokens agree, and both perplexities; the reference's logits are computed once and cached."""
+    tokens agree, and both perplexities; the reference's logits are computed once and cached.
+    --kv-type sets MODEL's KV-cache type (the reference keeps f16: MODEL as its own reference
+    measures what the cache type costs)."""
     from localrun import api
 
     bar = _Bar()
     try:
         result = api.evaluate(args.model, args.text, args.reference, n_ctx=args.ctx, chunks=args.chunks,
                               n_batch=args.batch_size, threads=args.threads, use_cache=not args.no_cache,
-                              progress=bar.update)
+                              kv_type=args.kv_type, progress=bar.update)
     finally:
         bar.close()
     record = result.to_dict()
@@ -56,7 +59,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _report(r: dict[str, Any]) -> str:
     """The statistics as aligned 'name  value' lines, llama-perplexity's names and precision."""
     lines = [
-        ("model", r["model"]),
+        ("model", r["model"] + (f" (KV cache {r['kv_type']})" if r.get("kv_type", "f16") != "f16" else "")),
         ("text", f"{r['text']} ({r['chunks']} chunks of {r['n_ctx']} tokens, {r['tokens']} scored)"),
         ("PPL", f"{r['ppl']:.4f} ± {r['ppl_error']:.5f}"),
     ]

@@ -128,7 +128,8 @@ def _fit_text(est: Any) -> str:
         *_parameter_rows(est),
         ("weights", human_size(est.weights_bytes)),
         ("KV cache", f"{human_size(est.kv_cache_bytes)} at {est.context} tokens of context"),
-        ("buffers", human_size(est.overhead_bytes)),
+        ("buffers", human_size(est.overhead_bytes) + (f" (llama.cpp's compute buffer {human_size(est.compute_bytes)},"
+                                                      f" output {human_size(est.output_bytes)})" if est.compute_bytes else "")),
         ("total", human_size(est.total_bytes)),
         ("RAM", f"{human_size(est.ram_available)} available of {human_size(est.ram_total)}"),
     ]

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.generation import KV_TYPES, GenerationParams, LoadOptions
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -207,7 +207,9 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="CPU threads (default: every core up to 4)")
     g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
                    help="layers to offload to the GPU (default auto: all that fit)")
-    g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="flash attention")
+    g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                   help="flash attention (auto: the engine decides; on with a quantized --kv-type)")
+    add_kv_type_flag(g)
     g.add_argument("--cpu-moe", type=cpu_moe_layers, default=0, metavar="N|all",
                    help="mixture-of-experts models: keep the expert weights of the first N layers (all: every "
                         "layer) in CPU memory, so that a model larger than the GPU runs (engines with expert "
@@ -216,6 +218,13 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
                    help="apply a LoRA adapter (a name from 'localrun list', a GGUF adapter file, or a PEFT folder "
                         "for an engine that applies adapters when it loads) at this scale (default 1); repeatable")
+
+
+def add_kv_type_flag(g: argparse._ActionsContainer) -> None:
+    """--kv-type: the KV cache's type (run, batch, tui, serve and eval)."""
+    g.add_argument("--kv-type", choices=KV_TYPES, default="f16",
+                   help="the KV cache's type: q8_0 takes about half the memory of f16 (the default), q4_0 about a "
+                        "quarter, at some cost in quality; llama.cpp turns flash attention on for them")
 
 
 def target_from_args(args: argparse.Namespace, engine: str | None = None) -> tuple[Target, str]:
@@ -242,14 +251,14 @@ def _check_cpu_moe(args: argparse.Namespace, engine: str | None) -> None:
                          "place expert weights apart", f"drop --cpu-moe{', or run a ' + copies[0] if copies else ''}")
 
 
-def params_from_args(args: argparse.Namespace) -> GenerationParams:
-    """GenerationParams from parsed flags; unset flags keep the defaults."""
+def params_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> GenerationParams:
+    """GenerationParams from parsed flags; unset flags keep the defaults (a preset's, then localrun's)."""
     values: dict[str, Any] = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
     if hasattr(args, "schema"):
         c = constraint_from_args(args)
         if c is not None:
             values["grammar"] = c.grammar
-    return GenerationParams(stop=tuple(getattr(args, "stop", []) or ()), **values)
+    return GenerationParams.layered(defaults, {"stop": tuple(getattr(args, "stop", []) or ()), **values})
 
 
 def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> LoadOptions:
@@ -257,4 +266,5 @@ def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> Loa
     fa = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attn", "auto")]
     _check_cpu_moe(args, getattr(args, "engine", None))
     return LoadOptions(n_ctx=args.ctx, n_threads=args.threads, gpu_layers=args.gpu_layers, flash_attn=fa,
-                       n_parallel=n_parallel, cpu_moe=getattr(args, "cpu_moe", 0))
+                       n_parallel=n_parallel, cpu_moe=getattr(args, "cpu_moe", 0),
+                       kv_type=getattr(args, "kv_type", "f16"))

@@ -22,6 +22,8 @@ from localrun.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from localrun.backends.base import Session
     from localrun.generation import Chunk, GenerationParams, Request
     from localrun.store import ModelInfo
@@ -68,7 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = target.model
     plan = tool_plan_from_args(args, model)
     _check_think(model, engine, think)
-    params = target.params(params, engine)
+    params = target.params(params_from_args(args, target.defaults()), engine)
+    name = target.preset_name or model.name
     session = api.load(model, target.load_options(options, engine), engine=engine)
     if args.verbose:
         i = session.info()
@@ -76,13 +79,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
     try:
         if prompt is None:
-            return _interactive(session, model.name, args, params, think)
+            return _interactive(session, name, args, params, think, target.request)
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
         if plan is not None:
             request, params = plan.request(request.messages), plan.params(params)
         if not args.raw:
-            request = dataclasses.replace(request, think=think)
-        return _answer(session, model.name, request, params, args, plan)
+            request = target.request(dataclasses.replace(request, think=think))
+        return _answer(session, name, request, params, args, plan)
     finally:
         session.close()
 
@@ -186,7 +189,7 @@ def _print_stats(chunk: Chunk) -> None:
 
 
 def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
-                 think: bool | str | None) -> int:
+                 think: bool | str | None, prepare: Callable[[Request], Request]) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves. Each reply's
     thought is kept apart from its answer in the history, for templates that read earlier thoughts."""
     import dataclasses
@@ -228,7 +231,7 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             else:
                 print("/clear forgets the conversation, /system TEXT sets the system prompt, /bye leaves", file=err)
             continue
-        request = dataclasses.replace(api.build_messages(text, system, history), think=think)
+        request = dataclasses.replace(prepare(api.build_messages(text, system, history)), think=think)
         cancel = threading.Event()
         parts: list[str] = []
         thought = _Thought(args)

@@ -25,6 +25,8 @@ from localrun.generation import Chunk, GenerationParams, Request
 from localrun.server import display_name, errors, resolve_model, resolve_target
 from localrun.server.schemas import (
     OllamaChatRequest,
+    OllamaCopyRequest,
+    OllamaCreateRequest,
     OllamaDeleteRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -131,7 +133,7 @@ async def _load_or_unload(request: HttpRequest, body: OllamaGenerating, model: M
         return JSONResponse({"model": body.model, "created_at": _now(), **reply, "done": True, "done_reason": "unload"})
 
     def load() -> None:
-        with pool.use(model, keep_alive):
+        with pool.use(model, keep_alive, body.options.load_options(pool.options)):
             pass
 
     await run_blocking(request, load)
@@ -149,7 +151,8 @@ def _reply(key: str, text: str, thinking: str = "") -> dict[str, Any]:
 async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, req: Request, params: GenerationParams,
                   key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
-    run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds())
+    run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds(),
+                    body.options.load_options(pool_of(request).options))
     await run.begin()
 
     if body.stream:
@@ -263,7 +266,7 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = body.generation()
+    params = body.generation(target.defaults())
     think = await _think(body, model)
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
@@ -282,7 +285,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     or unloads the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = body.generation()
+    params = body.generation(target.defaults())
     think = await _think(body, model)
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})
@@ -292,6 +295,10 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
         req = Request.chat(messages, think=think)
+        if body.template:  # this request's own template (Go, as Ollama's; or Jinja)
+            from localrun.presets import translate_template
+
+            req = dataclasses.replace(req, template=translate_template(body.template, None)[0])
     return await _answer(request, body, target, req, params, "response")
 
 
@@ -306,7 +313,8 @@ async def embed_(body: OllamaEmbedRequest, request: HttpRequest) -> dict[str, An
     keep_alive = body.keep_alive_seconds()
     texts = body.texts()
     pool = pool_of(request)
-    result, loaded = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive))
+    options = body.options.load_options(pool.options)
+    result, loaded = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive, options))
     request.state.log = {"model": display_name(model.name)}
     vectors = [fit_vector(v, body.dimensions) for v in (result.vectors if result else [])]
     return {"model": body.model, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
@@ -320,7 +328,8 @@ async def embeddings(body: OllamaEmbeddingsRequest, request: HttpRequest) -> dic
     keep_alive = body.keep_alive_seconds()
     texts = [body.prompt] if body.prompt else []
     pool = pool_of(request)
-    result, _ = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive))
+    options = body.options.load_options(pool.options)
+    result, _ = await run_blocking(request, lambda: embed(pool, model, texts, keep_alive, options))
     request.state.log = {"model": display_name(model.name)}
     return {"embedding": list(result.vectors[0]) if result else []}
 
@@ -338,29 +347,82 @@ async def tags() -> dict[str, Any]:
 
 @router.post("/api/show")
 async def show(body: OllamaShowRequest, request: HttpRequest) -> dict[str, Any]:
-    """A model's details, GGUF metadata (model_info), default parameters, template and capabilities."""
-    model = await _model(body.required_model())
+    """A model's details, GGUF metadata (model_info), parameters, template, system prompt, Modelfile
+    and capabilities (a preset's own settings over its base's)."""
+    target = await _target(request, body.required_model(), None)
+    model = target.model
     meta = model.details.get("metadata") or {}
     info = {k: (None if isinstance(v, str) and v.startswith("[") and v.endswith(" items]") else v)
             for k, v in meta.items()}
     if model.parameters:
         info.setdefault("general.parameter_count", model.parameters)
-    d = GenerationParams()
+    d = GenerationParams.layered(target.defaults(), {})
     pool = pool_of(request)
-    capabilities, context = await asyncio.to_thread(
-        lambda: (api.capabilities(model, pool.engine), api.default_context(model, pool.options)))
-    parameters = "\n".join(f"{k:<15} {v}" for k, v in (("temperature", d.temperature), ("top_k", d.top_k),
-                                                      ("top_p", d.top_p), ("min_p", d.min_p),
-                                                      ("num_ctx", context.tokens)))
-    template = model.details.get("chat_template") or ""
+    preset = target.preset
+    options = target.load_options(pool.options, pool.engine or "llama.cpp") if preset else pool.options
+    capabilities, context, modelfile = await asyncio.to_thread(
+        lambda: (api.capabilities(model, pool.engine), api.default_context(model, options),
+                 api.modelfile(target.preset_name or model.name)))
+    rows: list[tuple[str, Any]] = [("temperature", d.temperature), ("top_k", d.top_k), ("top_p", d.top_p),
+                                   ("min_p", d.min_p), ("num_ctx", context.tokens)]
+    own = dict(preset.parameters) if preset else {}
+    rows += [(k, v) for k, v in own.items() if k not in {r[0] for r in rows} and k != "stop"]
+    rows += [("stop", json.dumps(s)) for s in own.get("stop", [])]
+    parameters = "\n".join(f"{k:<30} {v}" for k, v in rows)
+    template = (preset.template_source or preset.template if preset and preset.template else None) \
+        or model.details.get("chat_template") or ""
     out: dict[str, Any] = {
-        "modelfile": f"# Modelfile of {display_name(model.name)}, generated by localrun\nFROM {display_name(model.name)}\n",
-        "parameters": parameters, "template": template, "details": _details(model), "model_info": info,
-        "capabilities": list(capabilities), "modified_at": _modified(model),
+        "modelfile": modelfile, "parameters": parameters, "template": template, "details": _details(model),
+        "model_info": info, "capabilities": list(capabilities), "modified_at": _modified(model),
     }
-    if model.details.get("license"):
+    if preset and preset.system:
+        out["system"] = preset.system
+    if preset and preset.messages:
+        out["messages"] = [dict(m) for m in preset.messages]
+    if preset and preset.license:
+        out["license"] = "\n".join(preset.license)
+    elif model.details.get("license"):
         out["license"] = str(model.details["license"])
+    if preset:
+        out["details"]["parent_model"] = display_name(model.name)
     return out
+
+
+@router.post("/api/create")
+async def create(body: OllamaCreateRequest, request: HttpRequest) -> Response:
+    """A preset from a Modelfile's text or from `from` + system, template, parameters, messages,
+    license: a store entry on its base (nothing copied), streamed as Ollama's status lines."""
+    from localrun.presets import preset_from_fields, read_modelfile
+
+    name = body.required_model()
+    if body.files or body.quantize:
+        raise UsageError("creating from uploaded files or quantizing on create is not supported",
+                         "create FROM an installed model (localrun pull or add it first), or quantize with 'localrun convert'")
+
+    def make() -> ModelInfo:
+        if body.modelfile:
+            preset = read_modelfile(body.modelfile, os.path.abspath)
+        else:
+            if not body.from_:
+                raise UsageError("from is required", "send the base model, e.g. \"from\": \"smollm2:135m\"")
+            preset = preset_from_fields(body.from_, body.system, body.parameters, body.template,
+                                        body.messages or (), body.license, list(body.adapters or {}))
+        return api.create_preset(name, preset=preset)
+
+    model = await asyncio.to_thread(make)
+    request.state.log = {"model": display_name(model.name)}
+    lines = [{"status": "using existing layer " + display_name(model.base or "")}, {"status": "writing manifest"},
+             {"status": "success"}]
+    if body.stream:
+        return Response(b"".join(_line(x) for x in lines), media_type=NDJSON)
+    return JSONResponse(lines[-1])
+
+
+@router.post("/api/copy")
+async def copy(body: OllamaCopyRequest) -> Response:
+    """Another name for a model (the same file) or a preset (the same settings)."""
+    await asyncio.to_thread(api.copy_model, body.source, body.destination)
+    return Response(status_code=200)
 
 
 @router.get("/api/ps")
@@ -374,7 +436,8 @@ async def ps(request: HttpRequest) -> dict[str, Any]:
         models.append({"name": display_name(lm.name), "model": display_name(lm.name), "size": lm.size,
                        "digest": _digest(lm.model), "details": _details(lm.model), "expires_at": _iso(expires),
                        "size_vram": lm.size if (lm.info or {}).get("offloaded") else 0,
-                       "context_length": (lm.info or {}).get("n_ctx") or 0})
+                       "context_length": (lm.info or {}).get("n_ctx") or 0,
+                       "kv_cache_type": (lm.info or {}).get("kv_type") or "f16"})  # localrun's extension
     models.sort(key=lambda m: m["expires_at"], reverse=True)
     return {"models": models}
 

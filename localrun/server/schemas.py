@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from localrun.constraint import Constraint
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams
+from localrun.generation import GenerationParams, LoadOptions
 from localrun.server import parse_duration
 
 MAX_N = 16  # choices per request (each one is a sequence in the engine)
@@ -114,8 +114,9 @@ class Sampling(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
 
-    def params(self, max_tokens: int | None, logprobs: int | None) -> GenerationParams:
-        """GenerationParams from the fields the client set; the rest keep localrun's defaults."""
+    def params(self, max_tokens: int | None, logprobs: int | None,
+               defaults: dict[str, Any] | None = None) -> GenerationParams:
+        """GenerationParams from the fields the client set; the rest keep the preset's, then localrun's, defaults."""
         values: dict[str, Any] = {k: getattr(self, k) for k in (
             "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
             if getattr(self, k) is not None}
@@ -125,7 +126,7 @@ class Sampling(_Request):
             values["max_tokens"] = max_tokens
         if logprobs is not None:
             values["logprobs"] = logprobs
-        return GenerationParams(stop=self.stops(), **values)
+        return GenerationParams.layered(defaults, {"stop": self.stops(), **values})
 
     @property
     def include_usage(self) -> bool:
@@ -156,11 +157,11 @@ class ChatCompletionRequest(Sampling):
             return False
         return "low" if self.reasoning_effort == "minimal" else self.reasoning_effort
 
-    def generation(self) -> GenerationParams:
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
         params = self.params(self.max_completion_tokens or self.max_tokens,
-                             (self.top_logprobs or 0) if self.logprobs else None)
+                             (self.top_logprobs or 0) if self.logprobs else None, defaults)
         if self.think_budget is not None:
             params = replace(params, think_budget=self.think_budget)
         constraint = response_constraint(self.response_format)
@@ -204,12 +205,13 @@ class CompletionRequest(Sampling):
     def prompts(self) -> list[str]:
         return _texts(self.prompt, "prompt")
 
-    def generation(self) -> GenerationParams:
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
         if self.suffix:
             raise UsageError("suffix (fill-in-the-middle) is not supported yet", "send the request without suffix")
         if self.best_of not in (None, 1, self.n):
             raise UsageError("best_of is not supported", "use n to get several completions")
-        params = self.params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+        max_tokens = self.max_tokens if self.max_tokens is not None else (defaults or {}).get("max_tokens", 16)
+        params = self.params(max_tokens, self.logprobs, defaults)
         constraint = response_constraint(self.response_format)  # an extension, as llama-server has
         return replace(params, grammar=constraint.grammar) if constraint is not None else params
 
@@ -247,8 +249,13 @@ class _Named(_Request):
 
 
 class OllamaOptions(_Body):
-    """The runtime options Ollama accepts; load-time ones (num_ctx, num_gpu, ...) never reload the
-    model here, so they are ignored."""
+    """The options Ollama accepts. Of the load-time ones, num_ctx (the least context per sequence
+    the request needs) and kv_cache_type (localrun's extension: Ollama sets the cache type for the
+    whole server, OLLAMA_KV_CACHE_TYPE) choose the loaded instance that answers; the others
+    (num_gpu, num_thread, ...) follow the server's settings and are ignored."""
+
+    num_ctx: Annotated[int | None, Field(ge=16, le=1 << 22)] = None
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] | None = None  # generation.KV_TYPES
 
     temperature: Annotated[float | None, Field(ge=0)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
@@ -263,7 +270,13 @@ class OllamaOptions(_Body):
     stop: str | list[str] | None = None
     think_budget: Annotated[int | None, Field(ge=0)] = None
 
-    def params(self, logprobs: int | None = None) -> GenerationParams:
+    def load_options(self, base: LoadOptions) -> LoadOptions | None:
+        """The server's load options with this request's num_ctx and kv_cache_type (None: neither is set)."""
+        if self.num_ctx is None and self.kv_cache_type is None:
+            return None
+        return replace(base, n_ctx=self.num_ctx or base.n_ctx, kv_type=self.kv_cache_type or base.kv_type)
+
+    def params(self, logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> GenerationParams:
         values: dict[str, Any] = {k: getattr(self, k) for k in (
             "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
             if getattr(self, k) is not None}
@@ -278,7 +291,7 @@ class OllamaOptions(_Body):
         if self.think_budget is not None:
             values["think_budget"] = self.think_budget
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return GenerationParams(stop=tuple(s for s in stops if s), **values)
+        return GenerationParams.layered(defaults, {"stop": tuple(s for s in stops if s), **values})
 
 
 class _Loading(_Named):
@@ -301,8 +314,8 @@ class OllamaGenerating(_Loading):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 
-    def generation(self) -> GenerationParams:
-        params = self.options.params(self.top_logprobs if self.logprobs else None)
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
+        params = self.options.params(self.top_logprobs if self.logprobs else None, defaults)
         if self.think_budget is not None:
             params = replace(params, think_budget=self.think_budget)
         constraint = None
@@ -328,10 +341,10 @@ class OllamaChatRequest(OllamaGenerating):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Any] | None = None
 
-    def generation(self) -> GenerationParams:
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
         if any(m.images for m in self.messages):
             raise UsageError(f"'{self.model}' does not support images", "send text messages only")
-        return super().generation()
+        return super().generation(defaults)
 
 
 class OllamaGenerateRequest(OllamaGenerating):
@@ -343,18 +356,16 @@ class OllamaGenerateRequest(OllamaGenerating):
     raw: bool = False
     images: list[str] | None = None
 
-    def generation(self) -> GenerationParams:
+    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
         if self.raw and (self.template or self.system or self.context):
             raise UsageError("raw mode does not support template, system, or context")
         if self.suffix:
             raise UsageError(f"'{self.model}' does not support insert (suffix)", "send the request without suffix")
-        if self.template:
-            raise UsageError("a per-request template is not supported", "the model's own chat template is used")
         if self.context:
             raise UsageError("context (token arrays from an earlier reply) is not supported", "use /api/chat with messages")
         if self.images:
             raise UsageError(f"'{self.model}' does not support images", "send text only")
-        return super().generation()
+        return super().generation(defaults)
 
 
 class OllamaEmbedRequest(_Loading):
@@ -384,3 +395,25 @@ class OllamaDeleteRequest(_Named):
 class OllamaPullRequest(_Named):
     stream: bool = True
     insecure: bool = False
+
+
+class OllamaCreateRequest(_Named):
+    """/api/create: a preset from a Modelfile's text (older clients) or from its fields."""
+
+    from_: str | None = Field(default=None, alias="from")
+    modelfile: str | None = None
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    license: str | list[str] | None = None
+    adapters: dict[str, str] | None = None
+    files: dict[str, str] | None = None
+    quantize: str | None = None
+    stream: bool = True
+
+
+class OllamaCopyRequest(_Request):
+    source: str
+    destination: str
+

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from localrun import api
 from localrun.errors import EngineError, LocalrunError, UsageError
-from localrun.generation import Chunk, GenerationParams, Request
+from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.server import display_name, is_loopback
 from localrun.store import ModelInfo
 
@@ -234,9 +234,11 @@ class _Failed:
 _END = object()
 
 
-def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None) -> Run:
+def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None,
+              options: LoadOptions | None = None) -> Run:
     """Start the jobs on the pooled model (with the target's adapters): one session.stream per
-    job, as parallel sequences."""
+    job, as parallel sequences. `options`: the client's load options (an Ollama num_ctx or
+    kv_cache_type over the server's), which choose the instance that answers."""
     pool = pool_of(request)
     if pool.event_loop is None:
         pool.event_loop = asyncio.get_running_loop()
@@ -244,13 +246,13 @@ def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive:
     def worker(job: Job) -> Worker:
         def work(run: Run, emit: Emit) -> None:
             t0 = time.perf_counter()
-            with api.use_target(pool, target, keep_alive) as (session, engine):
+            with api.use_target(pool, target, keep_alive, options) as (session, engine):
                 run.load_seconds = max(run.load_seconds, time.perf_counter() - t0)
                 if run.cancel.is_set():
                     return
                 # Chunks go from the engine's reader thread straight to the event loop; this
                 # thread only holds the model until the request ends.
-                ticket = session.start(job.request, target.params(job.params, engine), emit)
+                ticket = session.start(target.request(job.request), target.params(job.params, engine), emit)
                 run.on_cancel(ticket.cancel)
                 ticket.wait()
                 if ticket.error is not None:
@@ -314,10 +316,11 @@ async def run_blocking(request: HttpRequest, fn: Callable[[], T], cancel: thread
     return await unless_disconnected(request, asyncio.to_thread(fn), cancel.set if cancel else (lambda: None))
 
 
-def embed(pool: Pool, model: ModelInfo, texts: list[str], keep_alive: float | None) -> tuple[Embeddings | None, float]:
+def embed(pool: Pool, model: ModelInfo, texts: list[str], keep_alive: float | None,
+          options: LoadOptions | None = None) -> tuple[Embeddings | None, float]:
     """The session's embeddings of `texts` (blocking) and the seconds spent loading the model."""
     t0 = time.perf_counter()
-    with pool.use(model, keep_alive) as session:
+    with pool.use(model, keep_alive, options) as session:
         loaded = time.perf_counter() - t0
         return (session.embed(texts) if texts else None), loaded
 

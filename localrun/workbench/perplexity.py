@@ -75,6 +75,7 @@ class EvalResult:
     seconds: float
     divergence: Divergence | None = None
     model_path: str = ""  # the model's file, when `model` is its store name
+    kv_type: str = "f16"  # the model's KV-cache type
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -101,9 +102,12 @@ def evaluate(
     gpu_layers: int | None = None,
     progress: Progress | None = None,
     use_cache: bool = True,
+    kv_type: str = "f16",
 ) -> EvalResult:
     """Perplexity of model_path on the text at text_path; with reference_path, also the KL
-    divergence and token agreement against that model (same vocabulary required).
+    divergence and token agreement against that model (same vocabulary required). kv_type is the
+    model's KV-cache type (the reference always keeps an f16 cache, so it measures what the cache
+    type costs when the reference is the model itself).
 
     Runs llama.cpp in this process; evaluate_in_worker (or EvalWorker) runs it in a child
     process, where a native crash is an error.
@@ -121,6 +125,9 @@ def evaluate(
                          f"try --batch-size {max(n_ctx, n_batch // n_ctx * n_ctx)}")
     if chunks is not None and chunks < 1:
         raise UsageError(f"--chunks {chunks} must be at least 1")
+    from localrun.generation import LoadOptions
+
+    LoadOptions(kv_type=kv_type)  # the same check as a model load's
     text_p = Path(text_path)
     try:
         data = text_p.read_bytes()
@@ -149,7 +156,7 @@ def evaluate(
                                  "n_batch": settings.n_batch_used, "seconds": round(ref_seconds, 3)})
         tokens, n_chunk = ref.tokens, ref.n_chunk
     t0 = time.perf_counter()
-    with _Model(ll, model_p, settings) as m:
+    with _Model(ll, model_p, settings, kv_type) as m:
         if ref is not None:
             _same_vocab(model_p, _vocab_hash(ll, m.vocab), Path(str(reference_path)), (ref.n_vocab, ref.vocab_hash))
         else:
@@ -170,7 +177,7 @@ def evaluate(
     if ref is not None:
         divergence = stats.divergence(ref.nll[: stats.count], str(reference_path), ref.hit, cache_path, ref_seconds)
     return EvalResult(str(model_path), str(text_path), text_sha, n_ctx, settings.n_batch_used, n_chunk,
-                      stats.count, n_vocab, ppl, ppl_err, seconds, divergence)
+                      stats.count, n_vocab, ppl, ppl_err, seconds, divergence, kv_type=kv_type)
 
 
 # -- llama.cpp ------------------------------------------------------------------------------
@@ -243,8 +250,8 @@ def _chunk_count(n_tokens: int, n_ctx: int, chunks: int | None, text: Path) -> i
 class _Model:
     """A model and one context laid out as llama-perplexity's: n_seq streams of n_ctx tokens."""
 
-    def __init__(self, ll: Any, path: Path, s: _Settings) -> None:
-        from localrun.backends.llama_loader import new_context
+    def __init__(self, ll: Any, path: Path, s: _Settings, kv_type: str = "f16") -> None:
+        from localrun.backends.llama_loader import GGML_KV_TYPES, new_context
 
         self.ll, self.s, self.path = ll, s, path
         self.ctx: Any = None
@@ -266,6 +273,9 @@ class _Model:
         cp.n_threads = cp.n_threads_batch = s.threads
         cp.swa_full = False  # llama-perplexity's (common's) default
         cp.kv_unified = False
+        cp.type_k = cp.type_v = GGML_KV_TYPES[kv_type]
+        if kv_type != "f16":  # a quantized V cache needs flash attention, as in the engine
+            cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         try:
             self.ctx = new_context(self.model, cp, f"a context of {s.n_seq} x {s.n_ctx} tokens for {path.name}",
                                    "try a smaller --batch-size or --ctx")

@@ -161,5 +161,7 @@ def test_ps_json_shape_is_ollamas(served: Served) -> None:
     served.ollama().generate(model=MODEL, prompt="")
     with served.http() as http:
         models = http.get("/api/ps").json()["models"]
-    assert set(models[0]) == {"name", "model", "size", "digest", "details", "expires_at", "size_vram", "context_length"}
+    # Ollama's fields, and localrun's kv_cache_type (clients ignore a field they do not know)
+    assert set(models[0]) == {"name", "model", "size", "digest", "details", "expires_at", "size_vram", "context_length",
+                              "kv_cache_type"}
     assert json.dumps(models)

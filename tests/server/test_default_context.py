@@ -4,6 +4,7 @@ the model's trained context is still a clear 400."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,7 +119,7 @@ def served_on_defaults() -> Iterator[Served]:
 def test_a_chat_with_open_webuis_tools_answers_on_defaults(served_on_defaults: Served) -> None:
     client = served_on_defaults.ollama()
     assert len(TOOLS) == 40
-    assert f"num_ctx         {TRAINED}" in client.show(MODEL).parameters
+    assert re.search(rf"^num_ctx +{TRAINED}$", client.show(MODEL).parameters, re.M)
     out = client.chat(model=MODEL, messages=[{"role": "user", "content": "What is the opposite of hot?"}],
                       tools=TOOLS, options={"temperature": 0, "num_predict": 8})
     assert out.done and 4096 < out.prompt_eval_count < TRAINED and out.eval_count > 0

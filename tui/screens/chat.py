@@ -176,8 +176,8 @@ class ChatScreen(Screen[None]):
             loaded = target.model.name
             with api.use_target(models, target, keep_alive=-1) as (session, engine):
                 self.app.call_from_thread(self._loaded, generation)
-                request = api.build_messages(prompt, system or None, history)
-                for chunk in api.stream(session, request, target.params(params, engine), cancel):
+                request = target.request(api.build_messages(prompt, system or None, history))
+                for chunk in api.stream(session, request, target.params(target.under(params), engine), cancel):
                     if chunk.done:
                         thought.end()
                         post()

@@ -83,7 +83,7 @@ Anywhere  F1 help  F2 Library  F3 Discover  F4 Chat  F5 Convert
           Ctrl+P commands   Ctrl+T dark/light theme   Ctrl+C quit
 
 Library   Enter   chat with the highlighted model
-          d       delete the model (asks first)
+          d       delete the model (asks first)   p  make or edit a preset
           a       add a GGUF file in place    r  reload the list
 
 Chat      Enter   send                  Esc     stop (nothing is kept)

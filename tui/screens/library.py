@@ -1,4 +1,4 @@
-"""The Library: installed models, their details, chat and delete."""
+"""The Library: installed models, their details, chat, presets and delete."""
 
 from __future__ import annotations
 
@@ -17,9 +17,18 @@ from localrun.store import ModelInfo
 from localrun.units import count, size
 from tui.messages import ModelsChanged
 from tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from tui.screens.preset_editor import PresetEditorScreen, parameters_text
 from tui.widgets.navbar import NavBar
 
 COLUMNS = ("Name", "Format", "Arch", "Params", "Quant", "Size", "Context", "Engine")
+KIND = "Kind"  # a column shown when a preset or an adapter is listed
+
+
+def kind_text(model: ModelInfo) -> str:
+    """`preset of BASE`, `adapter of BASE`, or nothing for a model."""
+    if model.is_preset or model.is_adapter:
+        return f"{model.kind} of {model.base or '?'}"
+    return ""
 
 
 def _engine(model: ModelInfo) -> str:
@@ -29,11 +38,36 @@ def _engine(model: ModelInfo) -> str:
         return "none"
 
 
+def preset_lines(model: ModelInfo) -> list[str]:
+    """A preset's own settings (the base's apply under them), for the details pane."""
+    preset = model.details.get("preset")
+    if not isinstance(preset, dict):
+        return []
+    lines = [f"preset of {preset.get('base', model.base)}   ('p' edits it)"]
+    params = parameters_text(preset.get("parameters") or {})
+    lines.append("parameters: " + ("; ".join(params.splitlines()) if params else "the base's"))
+    system = preset.get("system")
+    lines.append(f"system: {system}" if system is not None else "system: the base's")
+    template = preset.get("template_source") or preset.get("template")
+    if template is None:
+        lines.append("template: the base's")
+    else:
+        lines.append("template (Go, translated to Jinja):" if preset.get("template_source") else "template:")
+        lines.append(str(template))
+    if preset.get("adapters"):
+        lines.append(f"adapters: {', '.join(map(str, preset['adapters']))}")
+    if preset.get("messages"):
+        lines.append(f"starting conversation: {len(preset['messages'])} messages")
+    lines.append("base model:")
+    return lines
+
+
 def details_text(model: ModelInfo, engine: str) -> str:
-    """The details pane: what the file says about itself and where it is."""
+    """The details pane: what the file says about itself and where it is (a preset's settings first)."""
     d = model.details
     lines = [
         f"{model.name}   ({model.source})",
+        *preset_lines(model),
         f"path: {model.path}",
         f"format: {model.format}   engine: {engine}   size: {size(model.size)}",
         f"architecture: {model.architecture or '-'}   parameters: {count(model.parameters)}"
@@ -62,6 +96,7 @@ class LibraryScreen(Screen[None]):
         Binding("enter", "chat", "Chat", priority=True),
         Binding("question_mark", "app.help", "Help", show=False),
         Binding("d,delete", "delete", "Delete"),
+        Binding("p", "preset", "Preset"),
         Binding("a", "add", "Add file"),
         Binding("r", "reload", "Reload"),
     ]
@@ -100,13 +135,18 @@ class LibraryScreen(Screen[None]):
         self.models, self.engines = models, engines
         table = self.query_one(DataTable)
         current = select or self.selected_name()
-        rows = [(m.name, m.format, m.architecture or "-", count(m.parameters), m.quantization or "-",
-                 size(m.size), str(m.context_length or "-"), engines.get(m.name, "-")) for m in models]
+        rows: list[tuple[str, ...]] = [
+            (m.name, m.format, m.architecture or "-", count(m.parameters), m.quantization or "-", size(m.size),
+             str(m.context_length or "-"), engines.get(m.name, "-")) for m in models]
+        columns: tuple[str, ...] = COLUMNS
+        if any(kind_text(m) for m in models):  # beside the name, where a narrow terminal still shows it
+            columns = (COLUMNS[0], KIND, *COLUMNS[1:])
+            rows = [(row[0], kind_text(m), *row[1:]) for m, row in zip(models, rows, strict=True)]
         # Widths computed here, not by the table when it is next idle: the first frame after
         # loading is already the final one (a snapshot or a busy machine never sees it half-sized).
-        widths = [max([len(label)] + [len(r[i]) for r in rows]) for i, label in enumerate(COLUMNS)]
+        widths = [max([len(label)] + [len(r[i]) for r in rows]) for i, label in enumerate(columns)]
         table.clear(columns=True)
-        for label, width in zip(COLUMNS, widths, strict=True):
+        for label, width in zip(columns, widths, strict=True):
             table.add_column(label, width=width)
         for m, row in zip(models, rows, strict=True):
             table.add_row(*row, key=m.name)
@@ -173,6 +213,25 @@ class LibraryScreen(Screen[None]):
             return
         self.app.call_from_thread(self.notify, f"Deleted {name}")
         self.app.post_message(ModelsChanged())
+
+    def action_preset(self) -> None:
+        """A new preset FROM the highlighted model, or the highlighted preset to edit."""
+        m = self.selected()
+        if m is None:
+            self.notify("No model selected", severity="warning")
+            return
+        try:
+            editor = PresetEditorScreen(m, taken=self.row_names())
+        except LocalrunError as e:
+            self.notify(str(e), severity="error", timeout=8)
+            return
+
+        def done(name: str | None) -> None:
+            if name:
+                self.notify(f"Saved preset {name}")
+                self.app.post_message(ModelsChanged(name))
+
+        self.app.push_screen(editor, done)
 
     def action_add(self) -> None:
         def done(path: str | None) -> None:
