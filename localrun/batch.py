@@ -59,6 +59,8 @@ class Record(TypedDict, total=False):
     error: str
     thinking: str  # a thinking model's thought, apart from text
     thinking_tokens: int
+    drafted_tokens: int  # speculative decoding (--draft): tokens drafted, and kept
+    accepted_tokens: int
 
 
 @dataclass(frozen=True)
@@ -427,6 +429,8 @@ def _record(row: RowResult) -> Record:
                    "prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens}
     if row.thinking or row.thinking_tokens:  # a thinking model's thought, apart from its text
         out["thinking"], out["thinking_tokens"] = row.thinking, row.thinking_tokens
+    if row.drafted_tokens:
+        out["drafted_tokens"], out["accepted_tokens"] = row.drafted_tokens, row.accepted_tokens
     return out
 
 

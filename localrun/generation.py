@@ -11,6 +11,7 @@ from localrun.chat import Message, parse_messages
 from localrun.errors import UsageError
 
 THINK_EFFORTS = ("low", "medium", "high")
+DRAFTERS = ("lookup",)  # speculative decoding's drafters (backends/drafting.py)
 # The KV-cache types a model loads with (--kv-type): llama.cpp's cache types; q8_0 and q4_0 store
 # 8.5 and 4.5 bits per value, and need flash attention for the V cache.
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -63,6 +64,11 @@ class GenerationParams:
     lora: tuple[tuple[str, float], ...] = ()
     # A thinking model's thought ends after this many tokens: the loop inserts the format's closing marker
     think_budget: int | None = None
+    # Speculative decoding: "lookup" drafts from the prompt and the reply so far (None: off); each
+    # step drafts up to draft_max tokens, and none when fewer than draft_min would fit
+    speculative: str | None = None
+    draft_max: int = 8
+    draft_min: int = 1
 
     def __post_init__(self) -> None:
         _check(_finite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")
@@ -80,6 +86,12 @@ class GenerationParams:
                "grammar_trigger", self.grammar_trigger, "a non-empty text, with a grammar")
         _check(self.think_budget is None or (isinstance(self.think_budget, int) and self.think_budget >= 0),
                "--think-budget", self.think_budget, "an integer >= 0 (tokens of thought)")
+        _check(self.speculative in (None, *DRAFTERS), "--draft", self.speculative,
+               f"one of {', '.join(DRAFTERS)}")
+        _check(isinstance(self.draft_max, int) and 1 <= self.draft_max <= 64, "--draft-max", self.draft_max,
+               "an integer in [1, 64]")
+        _check(isinstance(self.draft_min, int) and 1 <= self.draft_min <= self.draft_max, "--draft-min",
+               self.draft_min, f"an integer in [1, --draft-max ({self.draft_max})]")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "lora", _adapters(self.lora))
 
@@ -245,6 +257,8 @@ class Chunk:
     thinking_tokens: int = 0  # on the last chunk: tokens generated inside the thought
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text is in this chunk
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    drafted_tokens: int = 0  # on the last chunk: tokens speculative decoding drafted for the reply
+    accepted_tokens: int = 0  # of those, the ones the model kept
 
     @classmethod
     def final(cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, t_start: float,

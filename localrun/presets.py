@@ -48,6 +48,14 @@ def _kv(v: str) -> str:
     return v.lower()
 
 
+def _drafter(v: str) -> str:
+    from localrun.generation import DRAFTERS
+
+    if v.lower() not in DRAFTERS:
+        raise ValueError(f"must be one of {', '.join(DRAFTERS)}")
+    return v.lower()
+
+
 def _float(v: str) -> float:
     x = float(v)
     if x != x or x in (float("inf"), float("-inf")):
@@ -76,6 +84,9 @@ PARAMETERS: dict[str, tuple[Callable[[str], Any], str, str]] = {
     "stop": (str, "gen", "stop"),
     "num_predict": (int, "gen", "max_tokens"),
     "think_budget": (_nonneg_int, "gen", "think_budget"),
+    "draft": (_drafter, "gen", "speculative"),
+    "draft_max": (_pos_int, "gen", "draft_max"),
+    "draft_min": (_pos_int, "gen", "draft_min"),
     "num_ctx": (_pos_int, "load", "n_ctx"),
     "num_batch": (_pos_int, "load", "n_batch"),
     "num_thread": (_pos_int, "load", "n_threads"),

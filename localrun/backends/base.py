@@ -37,7 +37,7 @@ class Abilities:
     expert_offload: bool = False  # --cpu-moe: a mixture-of-experts model's expert weights kept in host memory
     embeddings: bool = False
     images: bool = False
-    drafting: bool = False  # speculative decoding with a draft model
+    drafting: bool = False  # speculative decoding: drafts verified in the batched decode (--draft lookup)
     structured_output: bool = False  # replies held to a grammar (JSON schema, GBNF, choice)
 
     def names(self) -> list[str]:
@@ -174,6 +174,11 @@ class Engine(Protocol):
         budget's closing marker); the loop sees them as sampled tokens."""
         ...
 
+    def drafts(self, slot: int) -> tuple[int, int]:
+        """Speculative decoding (abilities.drafting): the tokens drafted for the slot's reply so far
+        and how many of them the model kept; a step then gives several Sampled for the slot, in order."""
+        ...
+
     def detokenizer(self, special: bool = False) -> Detokenizer:
         """A fresh incremental detokenizer for one reply (special: control tokens as text too)."""
         ...
@@ -257,6 +262,8 @@ class RowResult:
     error: str | None = None
     thinking: str = ""  # a thinking model's thought, apart from text
     thinking_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted for the reply, and kept
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
+from localrun.backends.drafting import DraftControl, PromptLookup
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_loader import (
     GGML_KV_TYPES,
@@ -60,7 +61,8 @@ def system_info() -> dict[str, Any]:
     }
 
 
-ABILITIES = Abilities(request_adapters=True, expert_offload=True, embeddings=True, structured_output=True)
+ABILITIES = Abilities(request_adapters=True, expert_offload=True, embeddings=True, structured_output=True,
+                      drafting=True)
 
 
 class LlamaCppBackend:
@@ -96,7 +98,8 @@ class LlamaCppBackend:
 class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
-    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced")
+    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced", "lookup", "control",
+                 "room")
 
     def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
                  grammar: GrammarState | None) -> None:
@@ -108,6 +111,9 @@ class _Seq:
         self.logprobs = logprobs
         self.grammar = grammar
         self.forced: list[int] = []  # tokens the next samples must be (a thinking budget's closing marker)
+        self.lookup: PromptLookup | None = None  # speculative decoding's drafter (prompt lookup), if on
+        self.control: DraftControl | None = None
+        self.room = 0  # tokens the reply may still have (its budget)
 
 
 class LlamaCppEngine:
@@ -407,8 +413,17 @@ class LlamaCppEngine:
             ll.llama_memory_seq_cp(mem, source, slot, -1, -1)
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
-        self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
+        q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
+        if params.speculative == "lookup" and grammar is None:  # a grammar's state follows one token at a time
+            q.lookup = PromptLookup(tokens)
+            q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min)
+            q.room = params.budget(self.n_ctx, len(tokens))
         return keep
+
+    def drafts(self, slot: int) -> tuple[int, int]:
+        """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
+        q = self.seqs[slot]
+        return (q.control.drafted, q.control.accepted) if q is not None and q.control is not None else (0, 0)
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
         self.ll.llama_memory_seq_rm(self.mem, slot, start, -1)
@@ -419,12 +434,22 @@ class LlamaCppEngine:
     def step(self) -> list[Sampled]:
         entries: list[tuple[int, int, int, bool]] = []
         owners: list[tuple[int, int]] = []  # (slot, batch index) of each entry that gives logits
+        drafted: dict[int, list[int]] = {}  # slot -> the tokens drafted after its next one, in this batch
         seqs = self.seqs
+        decoding = sum(q is not None and q.last >= 0 for q in seqs)
+        spare = self.n_batch - decoding  # batch positions left for drafts
         for s, q in enumerate(seqs):
             if q is not None and q.last >= 0:
                 owners.append((s, len(entries)))
                 entries.append((q.last, q.pos, s, True))
                 q.pos += 1
+                if q.control is not None and q.lookup is not None and not q.forced and spare > 0:
+                    want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 1, spare))
+                    draft = q.lookup.draft(want) if want else []
+                    if len(draft) >= q.control.draft_min:
+                        drafted[s] = draft
+                        entries.extend((d, q.pos + i, s, True) for i, d in enumerate(draft))
+                        spare -= len(draft)
         room = self.n_batch - len(entries)
         if entries:
             room = min(room, self.prefill_cap)
@@ -463,9 +488,29 @@ class LlamaCppEngine:
             tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
             if g is not None:
                 g.accept(tok)
-            q.last = tok
             out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None,
                                g is not None and g.breaks(tok, False)))
+            kept = [tok]
+            draft = drafted.get(s, [])
+            # Each drafted position is sampled as it would be without drafts; a draft stands while
+            # the sample equals it (then its logits, computed after it, give the next sample).
+            accepted = 0
+            while accepted < len(draft) and tok == draft[accepted] and not self.is_eog(tok):
+                accepted += 1
+                idx += 1
+                tok = ll.llama_sampler_sample(q.sampler, ctx, idx)
+                kept.append(tok)
+                out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None))
+            if draft:
+                q.pos += accepted  # the kept drafts are in the KV cache; the others are removed from it
+                if accepted < len(draft):
+                    ll.llama_memory_seq_rm(self.mem, s, q.pos, -1)
+                assert q.control is not None
+                q.control.record(len(draft), accepted)
+            if q.lookup is not None:
+                q.lookup.extend(kept)
+                q.room -= len(kept)
+            q.last = tok
         return out
 
     def finish(self, slot: int) -> int:

@@ -60,7 +60,7 @@ class _Job:
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
                  "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora", "split",
-                 "thought", "n_thought", "closing")
+                 "thought", "n_thought", "closing", "drafts")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
                  n_ctx: int, split: Splitter | None = None, closing: str = "") -> None:
@@ -86,6 +86,7 @@ class _Job:
         self.thought: list[str] = []  # the whole thought, for requests submitted with stream=False
         self.n_thought = 0  # tokens generated inside the thought
         self.closing = closing  # what ends the thought at its budget ("" once inserted)
+        self.drafts = (0, 0)  # speculative decoding: tokens drafted, and kept, over the reply
 
 
 class EngineLoop:
@@ -120,6 +121,12 @@ class EngineLoop:
             if self.max_queue and len(self.queue) >= self.max_queue + free:
                 raise ServerBusyError(f"all {len(self.slots)} sequences are busy and {len(self.queue)} requests wait",
                                       "retry later, or start the server with a larger --parallel or --max-queue")
+            if params.speculative and not self.engine.abilities.drafting:
+                raise UsageError(f"speculative decoding ('{params.speculative}') is not available on this engine",
+                                 f"drop --draft, or use the {' or '.join(engines_with('drafting')) or 'other'} engine")
+            if params.speculative and params.think_budget is not None:
+                # a thought's budget ends it at an exact token; drafts could run past it within a step
+                params = dataclasses.replace(params, speculative=None)
             if params.lora and not self.engine.abilities.request_adapters:
                 raise UsageError("this engine applies LoRA adapters when the model loads, not per request",
                                  "load the model with the adapter (--lora when it loads), or use "
@@ -349,6 +356,8 @@ class EngineLoop:
         """Take a request out of the queue or its slot; the slot's KV cache stays for reuse."""
         self.jobs.pop(job.rid, None)
         if job.slot >= 0 and self.slots[job.slot] is job:
+            if job.params.speculative:
+                job.drafts = self.engine.drafts(job.slot)
             n = self.engine.finish(job.slot)
             self.cached[job.slot] = (job.tokens + job.generated)[:n]
             self.cached_lora[job.slot] = job.lora
@@ -375,6 +384,8 @@ class EngineLoop:
         if job.split is not None:
             final = dataclasses.replace(final, thinking="" if job.stream else "".join(job.thought),
                                         thinking_tokens=job.n_thought)
+        if job.drafts != (0, 0):
+            final = dataclasses.replace(final, drafted_tokens=job.drafts[0], accepted_tokens=job.drafts[1])
         self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
 
 

@@ -284,7 +284,9 @@ class WorkerSession:
                         if c["finish_reason"] != "cancelled":
                             yield RowResult(row_id, msg.get("text") or "", c["finish_reason"], c["prompt_tokens"],
                                             c["completion_tokens"], c["seed"], c.get("cached_tokens", 0),
-                                            thinking=c.get("thinking", ""), thinking_tokens=c.get("thinking_tokens", 0))
+                                            thinking=c.get("thinking", ""), thinking_tokens=c.get("thinking_tokens", 0),
+                                            drafted_tokens=c.get("drafted_tokens", 0),
+                                            accepted_tokens=c.get("accepted_tokens", 0))
                     submit_more()
                 if self.stats != last_stats:
                     last_stats = self.stats

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
 GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens",
-             "think_budget")
+             "think_budget", "draft_max", "draft_min")
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -98,6 +98,20 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", "-n", type=int, help="stop after this many tokens (default: until the model stops)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
     g.add_argument("--system", help="system prompt")
+    add_draft_flags(p)
+
+
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding: how drafts are made and how long they may be."""
+    from localrun.generation import DRAFTERS
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", choices=DRAFTERS, dest="speculative",
+                   help="draft tokens and verify them in one batched step: lookup drafts from the prompt and the "
+                        "reply so far (rewrites and edits that repeat their input gain most); the reply is the same")
+    g.add_argument("--draft-max", type=int_in(1, 64), metavar="N", help="tokens drafted per step at most (default 8)")
+    g.add_argument("--draft-min", type=int_in(1, 64), metavar="N",
+                   help="draft only when at least N tokens can be drafted (default 1)")
 
 
 def add_thinking_flags(p: argparse.ArgumentParser, hide: bool = True) -> None:
@@ -254,6 +268,8 @@ def _check_cpu_moe(args: argparse.Namespace, engine: str | None) -> None:
 def params_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> GenerationParams:
     """GenerationParams from parsed flags; unset flags keep the defaults (a preset's, then localrun's)."""
     values: dict[str, Any] = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "speculative", None) is not None:
+        values["speculative"] = args.speculative
     if hasattr(args, "schema"):
         c = constraint_from_args(args)
         if c is not None:

@@ -177,6 +177,8 @@ def _stats(chunk: Chunk) -> dict[str, Any]:
         "prompt_ms": round(chunk.prompt_ms, 2),
         "decode_ms": round(chunk.decode_ms, 2),
         "seed": chunk.seed,
+        **({"drafted_tokens": chunk.drafted_tokens, "accepted_tokens": chunk.accepted_tokens}
+           if chunk.drafted_tokens else {}),
     }
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from localrun.cli.options import MAX_PARALLEL, add_load_flags, int_in, load_options_from_args
+from localrun.generation import DRAFTERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434  # Ollama's, so its clients work with no configuration
@@ -21,6 +22,7 @@ def _duration(value: str) -> float:
         return parse_duration(value, "--keep-alive")
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
     m.add_argument("--keep-alive", type=_duration, default=300.0, metavar="DURATION",
                    help="how long a model stays loaded after its last request: seconds, '5m', '1h', -1 for forever (default 5m)")
+    m.add_argument("--draft", choices=DRAFTERS, help="speculative decoding for every request that does not ask "
+                   "otherwise (its `speculative` field): lookup drafts from the prompt and the reply so far")
     add_load_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -103,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from localrun.server.app import ServerConfig, create_app
 
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
-                              lora=_default_adapters(args.lora))
+                              lora=_default_adapters(args.lora), draft=args.draft)
         pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
         if not is_loopback(args.host):

@@ -46,6 +46,7 @@ from localrun.server.streams import (
     pool_of,
     run_blocking,
     start_run,
+    with_draft,
 )
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
@@ -80,7 +81,9 @@ def _stats(run: Run, chunk: Chunk) -> dict[str, Any]:
     return {"done_reason": _done_reason(chunk.finish_reason), "total_duration": _ns(time.perf_counter() - run.started),
             "load_duration": _ns(run.load_seconds), "prompt_eval_count": chunk.prompt_tokens,
             "prompt_eval_duration": int(chunk.prompt_ms * 1e6), "eval_count": chunk.completion_tokens,
-            "eval_duration": int(chunk.decode_ms * 1e6)}
+            "eval_duration": int(chunk.decode_ms * 1e6),
+            **({"drafted_tokens": chunk.drafted_tokens, "accepted_tokens": chunk.accepted_tokens}
+               if chunk.drafted_tokens else {})}
 
 
 def _logprobs(chunk: Chunk) -> list[dict[str, Any]]:
@@ -266,7 +269,7 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = body.generation(target.defaults())
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
     think = await _think(body, model)
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
@@ -285,7 +288,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     or unloads the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = body.generation(target.defaults())
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
     think = await _think(body, model)
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})

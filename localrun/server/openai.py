@@ -40,6 +40,7 @@ from localrun.server.streams import (
     pool_of,
     run_blocking,
     start_run,
+    with_draft,
 )
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
@@ -110,8 +111,14 @@ def _usage(run: Run, jobs: list[Job]) -> dict[str, Any]:
         prompts[k] = max(prompts.get(k, (0, 0)), (chunk.prompt_tokens, chunk.cached_tokens))
         completion += chunk.completion_tokens
     prompt = sum(p for p, _ in prompts.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
+    drafted = sum(c.drafted_tokens for c in run.finals.values())
+    if drafted:  # speculative decoding, in the fields OpenAI gives predicted outputs
+        accepted = sum(c.accepted_tokens for c in run.finals.values())
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def _token(t: Any) -> dict[str, Any]:
@@ -188,7 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
     target = await _target(request, body.model, body.lora)
     model = target.model
-    params = body.generation(target.defaults())
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
@@ -322,7 +329,7 @@ async def _sse_stream(events: AsyncIterator[bytes], run: Run, jobs: list[Job], b
 async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
     """Plain-text continuations of each prompt (n per prompt), streamed or as one JSON object."""
     target = await _target(request, body.model, body.lora)
-    params = body.generation(target.defaults())
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
     if body.echo and body.logprobs is not None:
         raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
     prompts = body.prompts()

@@ -184,6 +184,9 @@ class ChatScreen(Screen[None]):
                         stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                                  "completion_tokens": chunk.completion_tokens,
                                  "tokens_per_second": round(chunk.tokens_per_second, 2)}
+                        if chunk.drafted_tokens:
+                            stats["drafted_tokens"] = chunk.drafted_tokens
+                            stats["accepted_tokens"] = chunk.accepted_tokens
                         if thought.parts or chunk.thinking_tokens:
                             stats["thinking_tokens"] = chunk.thinking_tokens
                             stats["thinking_seconds"] = round(thought.seconds(), 2)
@@ -270,8 +273,10 @@ class ChatScreen(Screen[None]):
         self._user_widget = self._reply_widget = None
         assert self.conversation is not None
         self.sub_title = self.conversation.title
+        drafted = int(stats.get("drafted_tokens") or 0)
         self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
-                        context_used=int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
+                         drafts=(drafted, int(stats.get("accepted_tokens") or 0)) if drafted else None,
+                         context_used=int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
         self.generating = False
 

@@ -60,6 +60,7 @@ class StatusBar(Static):
         self.context_used = 0
         self.context_length: int | None = None
         self.output: str | None = None  # the structured output replies must follow, if any
+        self.drafts: tuple[int, int] | None = None  # speculative decoding: the last reply's drafted and kept tokens
 
     def show(self, **fields: Any) -> None:
         for key, value in fields.items():
@@ -70,6 +71,8 @@ class StatusBar(Static):
         parts = [self.model or "no model", self.state]
         if self.tokens_per_second:
             parts.append(f"{self.tokens_per_second:.1f} tok/s")
+        if self.drafts:
+            parts.append(f"drafts {self.drafts[1]}/{self.drafts[0]} kept")
         if self.output:
             parts.append(f"output: {self.output}")
         ctx = f"/{self.context_length}" if self.context_length else ""

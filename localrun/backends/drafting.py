@@ -1,0 +1,127 @@
+"""Speculative decoding's drafts: tokens guessed cheaply, then verified by the model in one batch.
+
+Prompt lookup drafts the tokens that followed the latest earlier occurrence of the sequence's last
+n-gram in its own prompt and reply (code edits and rewrites repeat their input). The engine
+evaluates the drafts after the sequence's next token in the same batched decode as the other
+sequences' steps, samples each position as it would without drafts, and keeps drafts while the
+sample equals them: the reply is the one the model gives without speculation (a draft that is one
+token, not a distribution, needs no other acceptance rule).
+
+Each sequence's `DraftControl` sizes its drafts from the acceptance it measures and stops drafting
+when drafts cost more than they save, so a reply that does not repeat its input decodes as fast
+as without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones are tried when it is not found
+NGRAM_MIN = 2
+WINDOW = 8192  # tokens of history searched (the most recent)
+
+
+def lookup(history: list[int], n_max: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+    """Up to n_max tokens that followed the latest earlier occurrence of history's last n-gram
+    (the longest n from ngram_max down to ngram_min that occurs); [] when none does."""
+    size = len(history)
+    if n_max <= 0 or size <= ngram_min:
+        return []
+    start = max(0, size - WINDOW)
+    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
+        tail = history[size - n:]
+        first = tail[0]
+        # the latest match whose continuation is inside the history, searched backwards
+        i = size - n - 1
+        while i >= start:
+            if history[i] == first and history[i:i + n] == tail:
+                follow = history[i + n:i + n + n_max]
+                if follow:
+                    return follow
+            i -= 1
+    return []
+
+
+class PromptLookup:
+    """lookup() over a growing history, indexed: each n-gram's latest end position is kept as the
+    history grows, so a draft costs a few dictionary reads however long the prompt."""
+
+    def __init__(self, history: list[int] | None = None, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> None:
+        self.history: list[int] = []
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end position (exclusive) of its latest occurrence
+        self._before: dict[int, int] = {}  # n -> where the history's last n-gram occurred before, if it did
+        self.extend(history or [])
+
+    def extend(self, tokens: list[int]) -> None:
+        h = self.history
+        for tok in tokens:
+            h.append(tok)
+            end = len(h)
+            self._before = {}
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                gram = tuple(h[end - n:])
+                prev = self._last.get(gram)
+                if prev is not None:
+                    self._before[n] = prev
+                self._last[gram] = end
+
+    def draft(self, n_max: int) -> list[int]:
+        """As lookup(self.history, n_max)."""
+        if n_max <= 0:
+            return []
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            prev = self._before.get(n)
+            if prev is not None:
+                return self.history[prev:prev + n_max]
+        return []
+
+
+@dataclass
+class DraftControl:
+    """One sequence's drafting: how many tokens to draft next, from the acceptance measured so far.
+
+    The draft grows by one after a step whose draft was wholly accepted and shrinks to what was
+    accepted (at least draft_min) after one that was not. A draft costs the model a position in
+    the batch; when the tokens it saved over the last `window` drafted tokens fall below
+    `min_rate` of those drafted, the sequence stops drafting (and is never slower than plain
+    decoding by more than those few positions).
+    """
+
+    draft_max: int = 8
+    draft_min: int = 1
+    min_rate: float = 0.3
+    window: int = 32
+    size: int = 0  # the next draft's length (0: start at draft_max)
+    drafted: int = 0  # over the reply
+    accepted: int = 0
+    recent_drafted: int = 0
+    recent_accepted: int = 0
+    off: bool = False
+
+    def __post_init__(self) -> None:
+        self.size = self.size or self.draft_max
+
+    def wanted(self, room: int) -> int:
+        """How many tokens to draft now, within room (the reply's budget and the context left)."""
+        if self.off:
+            return 0
+        n = min(self.size, room)
+        return n if n >= self.draft_min else 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified draft: how many tokens were drafted and how many of them the model kept."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.recent_drafted += drafted
+        self.recent_accepted += accepted
+        if accepted == drafted:
+            self.size = min(self.draft_max, self.size + 1)
+        else:
+            self.size = max(self.draft_min, accepted + 1)
+        if self.recent_drafted >= self.window:
+            if self.recent_accepted < self.min_rate * self.recent_drafted:
+                self.off = True
+            self.recent_drafted = self.recent_accepted = 0
