@@ -1,8 +1,10 @@
 """Run llama.cpp on a GGUF in a child process (a native abort must fail one test, not the run).
 
 python _llama_probe.py REQUEST.json RESULT.npz
-request: {"model": path, "tokenize": [texts], "logits": [[ids]], "generate": {"ids": [...], "n": N},
-          "lora": [[adapter.gguf, scale], ...]}  (LoRA adapters applied to logits and generate)
+request: {"model": path, "tokenize": [texts], "logits": [[ids]], "top1": [[ids]],
+          "generate": {"ids": [...], "n": N}, "lora": [[adapter.gguf, scale], ...]}
+          (LoRA adapters applied to logits, top1 and generate; top1: the logits' argmax per position,
+          taken here: a 151k-token vocabulary's logits are some 180 MB to pass back)
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def main() -> None:
             )
         out["add_bos"] = np.asarray([bool(llama_cpp.llama_vocab_get_add_bos(vocab))])
         llama_cpp.llama_model_free(model)
-    if req.get("logits") or req.get("generate"):
+    if req.get("logits") or req.get("top1") or req.get("generate"):
         llm = llama_cpp.Llama(
             req["model"],
             n_ctx=req.get("n_ctx", 512),
@@ -76,6 +78,10 @@ def main() -> None:
             llm.reset()
             llm.eval(ids)
             out[f"logits{i}"] = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        for i, ids in enumerate(req.get("top1") or []):
+            llm.reset()
+            llm.eval(ids)
+            out[f"top1_{i}"] = np.asarray(llm.scores[: len(ids)], dtype=np.float32).argmax(-1)
         if gen := req.get("generate"):
             llm.reset()
             ids = list(gen["ids"])

@@ -7,7 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from convert_helpers import gguf_tensors, llama_probe, make_checkpoint, need_asset, reference_gguf
+from convert_helpers import (
+    gguf_reader,
+    gguf_tensors,
+    llama_probe,
+    make_checkpoint,
+    need_asset,
+    reference_gguf,
+)
 from gguf import GGUFReader
 
 import convert
@@ -27,7 +34,7 @@ def test_same_file_as_llama_cpp_converter(
     )
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", outtype)
     ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype=outtype).path
-    ours = GGUFReader(ours_path)
+    ours = gguf_reader(ours_path)
     assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
     for key, field in ref.fields.items():
         if key.startswith("GGUF.") or key == "general.name":
@@ -80,3 +87,24 @@ def test_stories260k_round_trip_generates_the_same_tokens(tmp_path: Path) -> Non
     assert list(llama_probe(out, tokenize=[text])["tok0"]) == list(
         llama_probe(gguf_file, tokenize=[text])["tok0"]
     )
+
+
+def test_gguf_reader_reads_what_gguf_py_reads(converted, tmp_path: Path) -> None:  # noqa: ANN001
+    """The tests' faster reader gives GGUFReader's fields and tensors, and writes through "r+"."""
+    path = converted("llama", outtype="f16").path
+    want, got = GGUFReader(path), gguf_reader(path)
+    assert list(got.fields) == list(want.fields)
+    for key, field in want.fields.items():
+        assert got.fields[key].types == field.types, key
+        assert got.fields[key].contents() == field.contents(), key
+    assert got.data_offset == want.data_offset
+    assert gguf_tensors(got) == gguf_tensors(want)
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(path, copy)
+    writer = gguf_reader(copy, "r+")
+    norm = next(t for t in writer.tensors if t.name == "output_norm.weight")
+    assert norm.data.any()
+    norm.data[...] = 0
+    writer.data.flush()
+    del writer, norm
+    assert not next(t for t in GGUFReader(copy).tensors if t.name == "output_norm.weight").data.any()

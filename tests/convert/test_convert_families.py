@@ -13,9 +13,9 @@ from convert_helpers import (
     LOGIT_TEXT,
     TOKENIZER_OF,
     assert_logits_close,
+    gguf_reader,
     gguf_tensors,
     llama_probe,
-    make_checkpoint,
     need_asset,
     reference_gguf,
 )
@@ -70,14 +70,19 @@ def _as_reference_reads_it(folder: Path, arch: str) -> None:
     ids=[*FAMILIES, "phi4-dense"],
 )
 def test_same_file_as_llama_cpp_converter(
-    arch: str, config: dict | None, outtype: str, llama_cpp_converter: Path, tmp_path: Path
+    arch: str,
+    config: dict | None,
+    outtype: str,
+    checkpoints,  # noqa: ANN001
+    llama_cpp_converter: Path,
+    tmp_path: Path,
 ) -> None:
     folder = tmp_path / arch
-    make_checkpoint(folder, arch, config=config)
+    shutil.copytree(checkpoints(arch, **({"config": config} if config else {}))[0], folder)
     _as_reference_reads_it(folder, arch)
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", outtype)
     ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype=outtype).path
-    ours = GGUFReader(ours_path)
+    ours = gguf_reader(ours_path)
     assert gguf_tensors(ours) == gguf_tensors(ref)  # names, types, shapes and bytes
     want, got = _fields(ref), _fields(ours)
     for key, value in want.items():
@@ -90,11 +95,11 @@ def test_same_file_as_llama_cpp_converter(
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_greedy_continuation_matches_transformers(arch: str, checkpoints, tmp_path) -> None:  # noqa: ANN001
+def test_greedy_continuation_matches_transformers(arch: str, checkpoints, converted) -> None:  # noqa: ANN001
     import torch
 
-    folder, model, tok = checkpoints(arch)
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny").path
+    _, model, tok = checkpoints(arch)
+    out = converted(arch, outtype="f32", name="tiny").path  # the file the f32 logit test checks
     prompt = tok.encode(LOGIT_TEXT[:200], add_special_tokens=False)
     if tok.bos_token_id is not None:
         prompt = [tok.bos_token_id, *prompt]
@@ -157,8 +162,8 @@ def test_phi4_mini_hub_config_converts_the_same(checkpoints, tmp_path: Path) -> 
         },
     )
     (hub / "config.json").write_text(json.dumps(config))
-    a = GGUFReader(convert.convert(folder, tmp_path / "a.gguf", outtype="f16").path)
-    b = GGUFReader(convert.convert(hub, tmp_path / "b.gguf", outtype="f16").path)
+    a = gguf_reader(convert.convert(folder, tmp_path / "a.gguf", outtype="f16").path)
+    b = gguf_reader(convert.convert(hub, tmp_path / "b.gguf", outtype="f16").path)
     assert _fields(b) == _fields(a)
     assert gguf_tensors(b) == gguf_tensors(a)
     fields = _fields(a)
@@ -169,15 +174,14 @@ def test_phi4_mini_hub_config_converts_the_same(checkpoints, tmp_path: Path) -> 
     assert np.allclose(factors["rope_factors_short.weight"], rope["short_factor"])
 
 
-def test_phi4_dense_shape_matches_transformers(tmp_path: Path) -> None:
+def test_phi4_dense_shape_matches_transformers(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
     """Phi-4 (14B)'s shape: full rotary, no LongRoPE factors, untied output, grouped-query heads,
     no sliding window."""
     from convert_helpers import reference_logits
 
-    folder = tmp_path / "phi4"
-    model, tok = make_checkpoint(folder, "phi4", config=PHI4_DENSE)
+    folder, model, tok = checkpoints("phi4", config=PHI4_DENSE)
     out = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny").path
-    r = GGUFReader(out)
+    r = gguf_reader(out)
     fields = _fields(r)
     assert fields["phi3.rope.dimension_count"] == 16
     assert fields["phi3.attention.sliding_window"] == 0
@@ -197,7 +201,7 @@ def test_granite_ignores_head_dim(checkpoints, tmp_path: Path) -> None:
     copy = tmp_path / "ckpt"
     shutil.copytree(folder, copy)
     _edit_config(copy, head_dim=32)
-    fields = _fields(GGUFReader(convert.convert(copy, tmp_path / "m.gguf", outtype="f16").path))
+    fields = _fields(gguf_reader(convert.convert(copy, tmp_path / "m.gguf", outtype="f16").path))
     assert fields["granite.rope.dimension_count"] == 16
     assert "granite.attention.key_length" not in fields
     assert fields["granite.embedding_scale"] == pytest.approx(12.0)
@@ -205,12 +209,12 @@ def test_granite_ignores_head_dim(checkpoints, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stores_head", [False, True], ids=["embeddings-only", "lm-head-too"])
-def test_tied_olmo2_gets_one_output_matrix(stores_head: bool, tmp_path: Path) -> None:
+def test_tied_olmo2_gets_one_output_matrix(stores_head: bool, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
     # llama.cpp's OLMo 2 needs output.weight: the embeddings' copy, or the stored lm_head.
     from safetensors.numpy import load_file, save_file
 
     folder = tmp_path / "olmo2"
-    make_checkpoint(folder, "olmo2", config={"tie_word_embeddings": True})
+    shutil.copytree(checkpoints("olmo2", config={"tie_word_embeddings": True})[0], folder)
     weights = load_file(folder / "model.safetensors")
     assert "lm_head.weight" not in weights
     if stores_head:

@@ -23,9 +23,9 @@ import convert
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_f32_logits_match_transformers(arch: str, checkpoints, tmp_path) -> None:  # noqa: ANN001
-    folder, model, tok = checkpoints(arch)
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f32", name="tiny").path
+def test_f32_logits_match_transformers(arch: str, checkpoints, converted) -> None:  # noqa: ANN001
+    _, model, tok = checkpoints(arch)
+    out = converted(arch, outtype="f32", name="tiny").path
     ids = logit_ids(tok)
     ref = reference_logits(model, ids)
     got = llama_probe(out, logits=[ids])["logits0"]

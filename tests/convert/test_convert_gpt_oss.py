@@ -20,6 +20,7 @@ from convert_helpers import (
     LAYER_SHARE,
     assert_logits_close,
     break_last_layer,
+    gguf_reader,
     gguf_tensors,
     greedy,
     llama_probe,
@@ -31,7 +32,7 @@ from convert_helpers import (
     save_layered,
     top1_agreement,
 )
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 import convert
 from convert.archs.gpt_oss import mxfp4_repack
@@ -176,7 +177,7 @@ def f16(gpt_oss, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN
     file takes seconds)."""
     folder, _, _ = gpt_oss()
     path = convert.convert(folder, tmp_path_factory.mktemp("gpt-oss-f16") / "m.gguf", outtype="f16").path
-    return path, GGUFReader(path)
+    return path, gguf_reader(path)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +248,7 @@ def test_from_module_matches_folder_conversion(gpt_oss, f16, tmp_path: Path) -> 
     _, model, tok = gpt_oss()
     a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
     _, disk = f16  # the folder's conversion (its name is metadata, not a tensor)
-    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(disk)
+    assert gguf_tensors(gguf_reader(a)) == gguf_tensors(disk)
 
 
 def test_layer_pattern_llama_cpp_cannot_run_is_refused(gpt_oss, tmp_path: Path) -> None:  # noqa: ANN001
@@ -403,7 +404,7 @@ def test_mxfp4_same_file_as_llama_cpp_converter(
     # untied embeddings, as published (llama.cpp's converter writes no output.weight if tied)
     folder = tmp_path / "m"
     build_mxfp4(gpt_oss()[0], folder)
-    ours = GGUFReader(convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path)
+    ours = gguf_reader(convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path)
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")
     assert gguf_tensors(ours) == gguf_tensors(ref)  # the MXFP4 experts' bytes included
     assert model_keys(ours) == model_keys(ref)

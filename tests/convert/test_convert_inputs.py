@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, llama_probe, make_checkpoint, reference_logits
+from convert_helpers import LOGIT_TEXT, gguf_reader, llama_probe, make_checkpoint, reference_logits
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 
 import convert
 from convert.errors import ConvertError
@@ -41,7 +40,7 @@ def test_sharded_bf16_auto_keeps_bf16_losslessly(bf16_sharded, tmp_path: Path) -
     assert len(set(index["weight_map"].values())) >= 3
     res = convert.convert(folder, tmp_path / "m.gguf")  # auto
     assert res.plan.written_type == "bf16"
-    r = GGUFReader(res.path)
+    r = gguf_reader(res.path)
     t = {x.name: x for x in r.tensors}
     assert t["blk.0.ffn_down.weight"].tensor_type == Q.BF16
     assert t["blk.0.attn_norm.weight"].tensor_type == Q.F32
@@ -173,7 +172,7 @@ def test_dry_run_plans_without_writing(checkpoints, tmp_path: Path) -> None:  # 
     real = convert.convert(folder, tmp_path / "m.gguf", outtype="q8_0")
     size = real.path.stat().st_size
     assert res.plan.final_bytes <= size < res.plan.final_bytes + 2_000_000  # + metadata
-    assert [t.name for t in res.plan.tensors] == [t.name for t in GGUFReader(real.path).tensors]
+    assert [t.name for t in res.plan.tensors] == [t.name for t in gguf_reader(real.path).tensors]
 
 
 def test_progress_reports_every_tensor(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import LOGIT_TEXT, gguf_tensors, llama_probe, reference_logits
+from convert_helpers import LOGIT_TEXT, gguf_reader, gguf_tensors, llama_probe, reference_logits
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 
 import convert
 from convert.errors import ConvertError
@@ -167,7 +166,7 @@ def test_rslora_alpha_and_folded_patterns(env: Env) -> None:
     assert rs.gguf_alpha == pytest.approx(8 * 8**0.5)  # alpha / r = PEFT's alpha / sqrt(r)
     assert rs.ranks == (4, 8)
     assert {w.target.split(".")[2] for w in rs.weights.values()} == {"1"}  # layers_to_transform
-    r = GGUFReader(env.gguf["rs"])
+    r = gguf_reader(env.gguf["rs"])
     assert r.fields["adapter.lora.alpha"].contents() == pytest.approx(8 * 8**0.5)
     # rank 4 under rsLoRA: PEFT scales by 8 / sqrt(4), llama.cpp by 8 * sqrt(8) / 4: folded in
     down = rs.weights["model.layers.1.mlp.down_proj.weight"]
@@ -179,7 +178,7 @@ def test_rslora_alpha_and_folded_patterns(env: Env) -> None:
 
     b = convert.read_adapter(env.adapters["b"])
     assert b.ranks == (2, 4, 6) and b.gguf_alpha == 4.0
-    tensors = {t.name: np.asarray(t.data) for t in GGUFReader(env.gguf["b"]).tensors}
+    tensors = {t.name: np.asarray(t.data) for t in gguf_reader(env.gguf["b"]).tensors}
     w = {name.split(".", 1)[1]: x for name, x in b.weights.items()}  # without "model."
     assert np.array_equal(
         tensors["blk.0.ffn_down.weight.lora_b"], w["layers.0.mlp.down_proj.weight"].b.read()
@@ -209,7 +208,7 @@ def test_merged_weight_is_w_plus_scaled_ba(env: Env, tmp_path: Path) -> None:
     out = convert.convert(
         env.folder, tmp_path / "m.gguf", outtype="f32", lora=[(env.adapters["a"], 0.75)]
     )
-    v = {t.name: np.array(t.data) for t in GGUFReader(out.path).tensors}["blk.1.attn_v.weight"]
+    v = {t.name: np.array(t.data) for t in gguf_reader(out.path).tensors}["blk.1.attn_v.weight"]
     base = load_file(env.folder / "model.safetensors")["model.layers.1.self_attn.v_proj.weight"]
     ad = load_file(env.adapters["a"] / "adapter_model.safetensors")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_{}.weight"
@@ -252,7 +251,7 @@ def test_modules_to_save_replace_the_weight_when_merged(env: Env, tmp_path: Path
     ref = peft_logits(env.folder, [(ad, 1.0)], env.ids)
     out = convert.convert(env.folder, tmp_path / "m.gguf", outtype="f32", lora=[(ad, 1.0)]).path
     assert_agree(llama_probe(out, logits=[env.ids])["logits0"], ref)
-    output = {t.name: np.asarray(t.data) for t in GGUFReader(out).tensors}["output.weight"]
+    output = {t.name: np.asarray(t.data) for t in gguf_reader(out).tensors}["output.weight"]
     assert np.array_equal(output, state["base_model.model.lm_head.weight"].numpy())
 
 
@@ -285,7 +284,7 @@ def test_same_tensors_and_alpha_as_llama_cpp_converter(
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert gguf_tensors(env.gguf["a"]) == gguf_tensors(ref_path)  # names, types, shapes and bytes
-    ref, ours = GGUFReader(ref_path), GGUFReader(env.gguf["a"])
+    ref, ours = gguf_reader(ref_path), gguf_reader(env.gguf["a"])
     for key in ("general.architecture", "general.type", "adapter.type", "adapter.lora.alpha"):
         assert ours.fields[key].contents() == ref.fields[key].contents(), key
 
@@ -327,7 +326,7 @@ def test_result_types_and_default_output(env: Env, tmp_path: Path) -> None:
     assert plan.targets == tuple(sorted(ATTN_MLP)) and plan.base_model == str(env.folder)
     assert "rank: 8\n" in plan.describe() and "28 tensors" in plan.describe()
     res = convert.convert_adapter(folder, env.folder, outtype="f16", name="tuned")
-    r = GGUFReader(res.path)
+    r = gguf_reader(res.path)
     assert {t.tensor_type for t in r.tensors} == {Q.F16}
     assert r.fields["general.name"].contents() == "tuned"
     with pytest.raises(ConvertError, match="already exists"):
@@ -337,7 +336,7 @@ def test_result_types_and_default_output(env: Env, tmp_path: Path) -> None:
         env.folder, tmp_path / "bf", seed=3, dtype="bfloat16", r=4, target_modules=["o_proj"]
     )
     out = convert.convert_adapter(bf, env.folder, tmp_path / "bf.gguf")
-    got = {t.name: (t.tensor_type, bytes(t.data)) for t in GGUFReader(out.path).tensors}
+    got = {t.name: (t.tensor_type, bytes(t.data)) for t in gguf_reader(out.path).tensors}
     from safetensors import safe_open
 
     with safe_open(bf / "adapter_model.safetensors", "pt") as f:

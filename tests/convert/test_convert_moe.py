@@ -20,6 +20,7 @@ from convert_helpers import (
     _tokenizer,
     assert_logits_close,
     break_last_layer,
+    gguf_reader,
     gguf_tensors,
     greedy,
     llama_probe,
@@ -32,7 +33,6 @@ from convert_helpers import (
     save_layered,
     top1_agreement,
 )
-from gguf import GGUFReader
 
 import convert
 from convert import converter, writer
@@ -152,7 +152,7 @@ def f16(moe, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
             folder, _, _ = moe(family)
             out = tmp_path_factory.mktemp(f"moe-f16-{family}") / "m.gguf"
             path = convert.convert(folder, out, outtype="f16").path
-            cache[family] = (path, GGUFReader(path))
+            cache[family] = (path, gguf_reader(path))
         return cache[family]
 
     return get
@@ -233,7 +233,7 @@ def test_from_module_matches_folder_conversion(family: str, moe, f16, tmp_path: 
     assert any("experts.gate_up_proj" in k for k in model.state_dict())
     a = convert.from_module(model, tok, tmp_path / "mem.gguf", outtype="f16", name="m").path
     _, disk = f16(family)  # the folder's conversion (its name is metadata, not a tensor)
-    assert gguf_tensors(GGUFReader(a)) == gguf_tensors(disk)
+    assert gguf_tensors(gguf_reader(a)) == gguf_tensors(disk)
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ def test_same_file_as_llama_cpp_converter(
             need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model"
         )
         ours_path = convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path
-        ours = GGUFReader(ours_path)
+        ours = gguf_reader(ours_path)
     else:  # the folder as it was: its shared conversion
         _, ours = f16(family)
     ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")

@@ -12,6 +12,7 @@ from convert_helpers import (
     AGREEMENT,
     LAYER_SHARE,
     break_last_layer,
+    gguf_reader,
     logit_ids,
     make_checkpoint,
     make_layered,
@@ -20,7 +21,6 @@ from convert_helpers import (
     top1_agreement,
 )
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 
 import convert
 from convert.errors import ConvertError
@@ -59,7 +59,7 @@ def q4_k_m(wide, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN
 
 
 def _types(path: Path) -> dict[str, Q]:
-    return {t.name: Q(t.tensor_type) for t in GGUFReader(path).tensors}
+    return {t.name: Q(t.tensor_type) for t in gguf_reader(path).tensors}
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -74,7 +74,7 @@ def test_q4_k_m_end_to_end(q4_k_m) -> None:  # noqa: ANN001
     assert Q.Q6_K in types.values()  # the _M mix keeps some tensors at 6 bits
     assert types["blk.0.attn_norm.weight"] == Q.F32
     assert {e.stage for e in events} == {"convert", "quantize"}
-    r = GGUFReader(res.path)
+    r = gguf_reader(res.path)
     assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     assert top1_agreement(res.path, ids, top1) >= AGREEMENT["q4_k_m"]
 
@@ -93,7 +93,7 @@ def _write_imatrix(path: Path, model_gguf: Path, seed: int = 0) -> None:
     w.add_array("imatrix.datasets", ["test"])
     w.add_uint32("imatrix.chunk_count", 4)
     w.add_uint32("imatrix.chunk_size", 512)
-    for t in GGUFReader(model_gguf).tensors:
+    for t in gguf_reader(model_gguf).tensors:
         if len(t.shape) == 2 and t.name != "token_embd.weight":
             n = int(t.shape[0])  # ggml order: the row length first
             w.add_tensor(
@@ -113,8 +113,8 @@ def test_imatrix_changes_the_quantization(wide, tmp_path: Path) -> None:  # noqa
     _write_imatrix(imat, f16)
     plain = convert.quantize(f16, tmp_path / "plain.gguf", "iq4_xs")
     weighted = convert.quantize(f16, tmp_path / "weighted.gguf", "iq4_xs", imatrix=imat)
-    a = {t.name: bytes(t.data) for t in GGUFReader(plain).tensors}
-    b = {t.name: bytes(t.data) for t in GGUFReader(weighted).tensors}
+    a = {t.name: bytes(t.data) for t in gguf_reader(plain).tensors}
+    b = {t.name: bytes(t.data) for t in gguf_reader(weighted).tensors}
     assert a.keys() == b.keys()
     assert a["blk.0.ffn_down.weight"] != b["blk.0.ffn_down.weight"]
     assert _types(weighted)["blk.0.ffn_down.weight"] in (Q.IQ4_XS, Q.Q5_K, Q.Q6_K, Q.Q4_K)

@@ -11,6 +11,7 @@ from convert_helpers import (
     ASSETS,
     MIXED_TEXT,
     converter_cache,
+    gguf_reader,
     llama_cpp_converter_dir,
     llama_probe,
     need_asset,
@@ -59,11 +60,12 @@ def _spm_folder(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("variant", ["tokenizer.json", "tokenizer.model"])
-def test_llama2_spm_parity(variant: str, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+def test_llama2_spm_parity(variant: str, checkpoints, converted, tmp_path: Path) -> None:  # noqa: ANN001
     folder, _, tok = checkpoints("llama")
     if variant == "tokenizer.model":
-        folder = _spm_folder(folder, tmp_path / "spm")
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
+        out = convert.convert(_spm_folder(folder, tmp_path / "spm"), tmp_path / "m.gguf", outtype="f16").path
+    else:
+        out = converted("llama", outtype="f16").path
     texts = all_inputs()
     assert _parity(out, tok, texts) == []
     # The llama.cpp reference vectors of the same vocabulary agree too.
@@ -74,18 +76,16 @@ def test_llama2_spm_parity(variant: str, checkpoints, tmp_path: Path) -> None:  
     ]
 
 
-def test_qwen3_bpe_parity(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
-    folder, _, tok = checkpoints("qwen3")
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
+def test_qwen3_bpe_parity(checkpoints, converted) -> None:  # noqa: ANN001
+    _, _, tok = checkpoints("qwen3")
+    out = converted("qwen3", outtype="f16").path
     assert _parity(out, tok, all_inputs()) == []
 
 
-def test_qwen3_metadata(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
-    from gguf import GGUFReader
-
-    folder, _, tok = checkpoints("qwen3")
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
-    r = GGUFReader(out)
+def test_qwen3_metadata(checkpoints, converted) -> None:  # noqa: ANN001
+    _, _, tok = checkpoints("qwen3")
+    out = converted("qwen3", outtype="f16").path  # the file the parity test tokenizes with
+    r = gguf_reader(out)
 
     def val(key: str):  # noqa: ANN202
         return r.fields[key].contents()
@@ -252,13 +252,18 @@ def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, tmp_path: Path) -> None:
-    from gguf import GGUFReader
+@pytest.fixture(scope="module")
+def smollm2_f16(smollm2_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The export converted to F16 once, for the tests that only read the file."""
+    out = tmp_path_factory.mktemp("smollm2-f16") / "m.gguf"
+    return convert.convert(smollm2_export, out, outtype="f16").path
 
+
+def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, smollm2_f16: Path) -> None:
     from localrun.gguf_header import read_gguf
 
-    out = convert.convert(smollm2_export, tmp_path / "m.gguf", outtype="f16").path
-    fields = GGUFReader(out).fields
+    out = smollm2_f16
+    fields = gguf_reader(out).fields
     assert fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
     read_gguf(out)  # localrun's own check accepts what the converter wrote
@@ -267,18 +272,19 @@ def test_byte_level_export_with_byte_fallback_flag(smollm2_export: Path, tmp_pat
     assert _special_parity(out, smollm2_export, texts) == []
 
 
-def test_49152_token_vocabulary_says_it_adds_no_bos(smollm2_export: Path, tmp_path: Path) -> None:
+def test_49152_token_vocabulary_says_it_adds_no_bos(
+    smollm2_export: Path, smollm2_f16: Path, tmp_path: Path
+) -> None:
     # SmolLM2's (and Granite 3's) tokenizer adds no BOS in transformers and its config does not
     # say so; llama.cpp's converter writes add_bos_token = false for that vocabulary size, and
     # so does localrun's: the same key, the same value, the same flag in llama.cpp.
-    from gguf import GGUFReader
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_export))
     assert len(tok) == 49152 and tok.encode("Hi") == tok.encode("Hi", add_special_tokens=False)
-    out = convert.convert(smollm2_export, tmp_path / "m.gguf", outtype="f16").path
+    out = smollm2_f16
     key = "tokenizer.ggml.add_bos_token"
-    assert GGUFReader(out).fields[key].contents() is False
+    assert gguf_reader(out).fields[key].contents() is False
     ref = reference_gguf(llama_cpp_converter_dir(converter_cache()), smollm2_export, tmp_path / "ref.gguf", "f16")
     assert ref.fields[key].contents() is False
     assert llama_probe(out, tokenize=["Hi"])["add_bos"].tolist() == [False]
@@ -343,7 +349,9 @@ def _llama_tj(folder: Path) -> dict:
         "never",  # Metaspace 'never': no prefix anywhere
     ],
 )
-def test_sentencepiece_json_spaces_and_specials(variant: str, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+def test_sentencepiece_json_spaces_and_specials(
+    variant: str, checkpoints, converted, tmp_path: Path  # noqa: ANN001
+) -> None:
     folder, _, _ = checkpoints("llama")
     tj = _llama_tj(folder)
     if variant == "prepend":
@@ -358,9 +366,11 @@ def test_sentencepiece_json_spaces_and_specials(variant: str, checkpoints, tmp_p
     elif variant == "never":
         tj["normalizer"] = None
         tj["pre_tokenizer"] = {**METASPACE_FIRST, "prepend_scheme": "never"}
-    if variant != "transformers":
+    if variant == "transformers":  # the checkpoint as it is: its shared conversion
+        out = converted("llama", outtype="f16").path
+    else:
         folder = _with_tokenizer_json(folder, tmp_path / "ckpt", tj)
-    out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
+        out = convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path
     assert _special_parity(out, folder, _with_specials("<s>", "</s>")) == []
 
 
