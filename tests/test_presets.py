@@ -191,3 +191,19 @@ def test_from_a_hugging_face_folder_converts_it_once(tmp_path: Path, thinker: ob
     assert len(converted) == 1 and first.base == converted[0]  # type: ignore[attr-defined]
     second = api.create_preset("tiny-b", "FROM ./ckpt\nSYSTEM hello\n", base_dir=tmp_path)
     assert second.base == first.base and api.store().converted_from(folder) == converted  # type: ignore[attr-defined]
+
+
+def test_batch_runs_a_preset_with_its_settings(tmp_path: Path, cli: object, starter: Path) -> None:
+    _create(tmp_path, "pirate", PIRATE)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": 1, "prompt": "Who is the captain?"}) + "\n"
+                    + json.dumps({"id": 2, "prompt": "Who is the captain?", "max_tokens": 2}) + "\n")
+    out = tmp_path / "out.jsonl"
+    done = cli("batch", "pirate", "-i", str(rows), "-o", str(out))  # type: ignore[operator]
+    assert done.returncode == 0, done.stderr
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    # the preset's system prompt, starting conversation, template, num_predict and greedy temperature
+    single = json.loads(cli("run", "pirate", "Who is the captain?", "--json").stdout)  # type: ignore[operator]
+    assert records[1]["prompt_tokens"] == single["prompt_tokens"]
+    assert records[1]["completion_tokens"] <= 6
+    assert records[2]["completion_tokens"] <= 2  # a row's own setting over the preset's
