@@ -193,17 +193,16 @@ def create_preset(name: str, modelfile: str | None = None, *, preset: Preset | N
             return os.path.abspath(root / Path(path).expanduser())
 
         preset = read_modelfile(modelfile, resolve)
+    st = store()
     base = Path(preset.base).expanduser()
     if base.is_dir() and (base / "config.json").is_file() and not is_adapter_dir(base):
-        st = store()
         done = st.converted_from(base)
         model = st.get(done[0]) if done else convert_model(base, progress=progress)
         preset = dataclasses.replace(preset, base=model.name)
     for adapter in preset.adapters:
-        if Path(adapter).is_dir() and is_adapter_dir(adapter):
-            continue
-        store().get(adapter)  # a missing adapter is an error now, not at run time
-    return store().add_preset(name, preset)
+        if not is_adapter_dir(adapter):
+            st.get(adapter)  # a missing adapter is an error now, not at run time
+    return st.add_preset(name, preset)
 
 
 def modelfile(name: str) -> str:

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localrun.errors import UsageError
+from localrun.generation import DRAFTERS, KV_TYPES
 
 INSTRUCTIONS = ("from", "parameter", "system", "template", "adapter", "message", "license")
 # Instructions of Ollama's format that localrun reads but has no use for (renderer/parser name
 # Ollama's built-in Go code; requires its version).
 IGNORED = ("renderer", "parser", "requires")
 ROLES = ("system", "user", "assistant")
-KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def _nonneg_int(v: str) -> int:
@@ -49,8 +49,6 @@ def _kv(v: str) -> str:
 
 
 def _drafter(v: str) -> str:
-    from localrun.generation import DRAFTERS
-
     if v.lower() not in DRAFTERS:
         raise ValueError(f"must be one of {', '.join(DRAFTERS)}")
     return v.lower()
@@ -174,20 +172,14 @@ def parse_commands(text: str) -> list[Command]:
 def _value(text: str, i: int, line: int, start_line: int) -> tuple[str, int, int]:
     """A value from i: `\"\"\"...\"\"\"` (may span lines), `"..."`, or the rest of the line."""
     n = len(text)
-    if text.startswith('"""', i):
-        end = text.find('"""', i + 3)
+    quote = '"""' if text.startswith('"""', i) else '"' if text.startswith('"', i) else ""
+    if quote:
+        end = text.find(quote, i + len(quote))
         if end < 0:
-            raise _line_error(start_line, 'a value opened with """ is never closed')
-        value = text[i + 3:end]
+            raise _line_error(start_line, f"a value opened with {quote} is never closed")
+        value = text[i + len(quote):end]
         line += value.count("\n")
-        i = end + 3
-    elif i < n and text[i] == '"':
-        end = text.find('"', i + 1)
-        if end < 0:
-            raise _line_error(start_line, 'a value opened with " is never closed')
-        value = text[i + 1:end]
-        line += value.count("\n")
-        i = end + 1
+        i = end + len(quote)
     else:
         end = text.find("\n", i)
         end = n if end < 0 else end

@@ -58,12 +58,13 @@ class PromptLookup:
         for tok in tokens:
             h.append(tok)
             end = len(h)
-            self._before = {}
+            before = self._before
+            before.clear()
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
                 gram = tuple(h[end - n:])
                 prev = self._last.get(gram)
                 if prev is not None:
-                    self._before[n] = prev
+                    before[n] = prev
                 self._last[gram] = end
 
     def draft(self, n_max: int) -> list[int]:

@@ -362,7 +362,8 @@ async def show(body: OllamaShowRequest, request: HttpRequest) -> dict[str, Any]:
     d = GenerationParams.layered(target.defaults(), {})
     pool = pool_of(request)
     preset = target.preset
-    options = target.load_options(pool.options, pool.engine or "llama.cpp") if preset else pool.options
+    engine = await asyncio.to_thread(api.choose_engine, model, pool.engine) if preset else None
+    options = target.load_options(pool.options, engine) if engine else pool.options
     capabilities, context, modelfile = await asyncio.to_thread(
         lambda: (api.capabilities(model, pool.engine), api.default_context(model, options),
                  api.modelfile(target.preset_name or model.name)))
