@@ -47,6 +47,7 @@ class Target:
     adapters: tuple[tuple[ModelInfo, float], ...] = ()
     preset: Preset | None = None  # the merged settings of a preset's chain
     preset_name: str | None = None
+    draft: ModelInfo | None = None  # the draft model the preset names (`PARAMETER draft MODEL`)
 
     @property
     def name(self) -> str:
@@ -91,6 +92,8 @@ class Target:
             default = LoadOptions()
             given = {k: v for k, v in self.preset.load_values().items()
                      if hasattr(options, k) and getattr(options, k) == getattr(default, k)}
+            if self.draft is not None and options.draft is None:
+                given["draft"] = self.draft.path
             if given:
                 options = replace(options, **given)
         if abilities(engine).request_adapters or not self.adapters:
@@ -200,7 +203,8 @@ def make_target(store: Store, info: ModelInfo, refs: Sequence[tuple[ModelInfo, f
             raise UsageError(
                 f"'{adapter.path}' is a PEFT folder; llama.cpp runs GGUF adapters",
                 f"convert it first: localrun convert {adapter.path}")
-    return Target(info, tuple(adapters), preset, preset_name)
+    draft = store.get(preset.draft_model) if preset and preset.draft_model else None
+    return Target(info, tuple(adapters), preset, preset_name, draft)
 
 
 def base_of(store: Store, adapter: ModelInfo) -> ModelInfo:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.backends import selection
 from localrun.backends.base import Cancel, Session, abilities
-from localrun.errors import ConversionError, UsageError
+from localrun.errors import BadModelFileError, ConversionError, ModelNotFoundError, UsageError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo, Store
 from localrun.system import disk_full
@@ -202,7 +202,25 @@ def create_preset(name: str, modelfile: str | None = None, *, preset: Preset | N
     for adapter in preset.adapters:
         if not is_adapter_dir(adapter):
             st.get(adapter)  # a missing adapter is an error now, not at run time
+    if preset.draft_model:
+        draft_file(preset.draft_model)  # so is a missing draft model, or one that is not a GGUF
     return st.add_preset(name, preset)
+
+
+def draft_file(name: str) -> str:
+    """The GGUF file of a draft model for speculative decoding (`--draft MODEL`).
+
+    Raises:
+        ModelNotFoundError: no such model; UsageError: it is not a GGUF model.
+    """
+    try:
+        info = get_model(name)
+    except (ModelNotFoundError, BadModelFileError) as e:
+        raise type(e)(f"draft model: {e.message}", e.hint) from None
+    if info.format != "gguf":
+        raise UsageError(f"draft model '{info.name}' is {info.format.upper()}, and draft models run as GGUF files "
+                         "on the llama.cpp engine", "pick a GGUF model, or use --draft lookup")
+    return info.path
 
 
 def modelfile(name: str) -> str:

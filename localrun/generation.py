@@ -11,7 +11,7 @@ from localrun.chat import Message, parse_messages
 from localrun.errors import UsageError
 
 THINK_EFFORTS = ("low", "medium", "high")
-DRAFTERS = ("lookup",)  # speculative decoding's drafters (backends/drafting.py)
+DRAFTERS = ("lookup", "model")  # speculative decoding's drafters: prompt lookup, the loaded draft model
 # The KV-cache types a model loads with (--kv-type): llama.cpp's cache types; q8_0 and q4_0 store
 # 8.5 and 4.5 bits per value, and need flash attention for the V cache.
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -64,8 +64,9 @@ class GenerationParams:
     lora: tuple[tuple[str, float], ...] = ()
     # A thinking model's thought ends after this many tokens: the loop inserts the format's closing marker
     think_budget: int | None = None
-    # Speculative decoding: "lookup" drafts from the prompt and the reply so far (None: off); each
-    # step drafts up to draft_max tokens, and none when fewer than draft_min would fit
+    # Speculative decoding: "lookup" drafts from the prompt and the reply so far, "model" with the
+    # draft model loaded beside the model (LoadOptions.draft); None: off. Each step drafts up to
+    # draft_max tokens, and none when fewer than draft_min would fit
     speculative: str | None = None
     draft_max: int = 8
     draft_min: int = 1
@@ -151,6 +152,10 @@ class LoadOptions:
     # in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe do; 0: placed like the other tensors.
     cpu_moe: int | str = 0
     kv_type: str = "f16"  # the KV cache's type: one of KV_TYPES
+    # Speculative decoding's draft model (a GGUF file with the model's vocabulary), loaded beside it;
+    # a draft whose vocabulary does not match is refused, or with draft_optional dropped with a note
+    draft: str | None = None
+    draft_optional: bool = False
 
     def __post_init__(self) -> None:
         _check(self.n_ctx is None or 16 <= self.n_ctx <= 1 << 22, "--ctx", self.n_ctx, "an integer of at least 16")

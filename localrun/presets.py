@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localrun.errors import UsageError
-from localrun.generation import DRAFTERS, KV_TYPES
+from localrun.generation import KV_TYPES
 
 INSTRUCTIONS = ("from", "parameter", "system", "template", "adapter", "message", "license")
 # Instructions of Ollama's format that localrun reads but has no use for (renderer/parser name
@@ -49,9 +49,12 @@ def _kv(v: str) -> str:
 
 
 def _drafter(v: str) -> str:
-    if v.lower() not in DRAFTERS:
-        raise ValueError(f"must be one of {', '.join(DRAFTERS)}")
-    return v.lower()
+    """'lookup', or the name of a draft model (checked when the preset is created)."""
+    if v.lower() == "lookup":
+        return "lookup"
+    if not v or any(c.isspace() for c in v):
+        raise ValueError("must be 'lookup' or a draft model's name")
+    return v
 
 
 def _float(v: str) -> float:
@@ -281,9 +284,17 @@ class Preset:
                 continue  # -1: no limit but the context, as Ollama
             elif name == "repeat_last_n" and value < 0:
                 continue
+            elif name == "draft":
+                out["speculative"] = "lookup" if value == "lookup" else "model"
             else:
                 out[target] = value
         return out
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model that `PARAMETER draft` names (None for lookup or no draft)."""
+        value = self.parameters.get("draft")
+        return None if value in (None, "lookup") else str(value)
 
     def load_values(self) -> dict[str, Any]:
         """LoadOptions fields the preset sets."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import time
 import warnings
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
 from localrun.backends.drafting import DraftControl, PromptLookup
 from localrun.backends.grammar import Grammars, GrammarState
+from localrun.backends.llama_draft import DraftModel, vocab_facts
 from localrun.backends.llama_loader import (
     GGML_KV_TYPES,
     LOG,
@@ -99,7 +101,7 @@ class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
     __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced", "lookup", "control",
-                 "room")
+                 "room", "history")
 
     def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
                  grammar: GrammarState | None) -> None:
@@ -114,6 +116,7 @@ class _Seq:
         self.lookup: PromptLookup | None = None  # speculative decoding's drafter (prompt lookup), if on
         self.control: DraftControl | None = None
         self.room = 0  # tokens the reply may still have (its budget)
+        self.history: list[int] | None = None  # a draft model's: the prompt and the reply so far
 
 
 class LlamaCppEngine:
@@ -174,6 +177,29 @@ class LlamaCppEngine:
 
         self.reasoning = detect(self._template, lambda t: self.special_id(t) is not None)
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab, self.token_text)
+        self.drafter: DraftModel | None = None  # speculative decoding's draft model (--draft MODEL), if loaded
+        self.draft_refused: str | None = None  # why the draft model asked for does not draft (draft_optional)
+        self._target_seconds = 0.0  # time in the target's decodes of steps that drafted with the draft model
+        self._target_rounds = 0
+        if options.draft:
+            self._load_drafter(options)
+
+    def _load_drafter(self, options: LoadOptions) -> None:
+        from pathlib import Path
+
+        assert options.draft is not None
+        name = Path(options.draft).name
+        try:
+            self.drafter = DraftModel(self.ll, options.draft, name, vocab_facts(self.ll, self.vocab), self.n_ctx,
+                                      self.n_slots, self.threads, self.gpu_layers, self.n_batch)
+        except UsageError as e:
+            if not options.draft_optional:
+                self.close()
+                raise
+            self.draft_refused = e.message
+        except BaseException:
+            self.close()
+            raise
 
     def _llg_tokenizer(self) -> Any:
         """llguidance's view of this vocabulary, with every end-of-generation token as its EOS."""
@@ -286,6 +312,8 @@ class LlamaCppEngine:
             "n_embd": self.ll.llama_model_n_embd(self.model),
             "n_vocab": self.n_vocab,
             "chat_template": self._template is not None,
+            **({"draft_model": self.drafter.name} if self.drafter is not None else {}),
+            **({"draft_refused": self.draft_refused} if self.draft_refused else {}),
         }
 
     # -- text <-> tokens ------------------------------------------------------------------
@@ -411,14 +439,52 @@ class LlamaCppEngine:
             # Sequences live in separate KV streams, which llama.cpp copies only whole.
             ll.llama_memory_seq_rm(mem, slot, -1, -1)
             ll.llama_memory_seq_cp(mem, source, slot, -1, -1)
+            if self.drafter is not None:
+                self.drafter.copy(source, slot)
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
-        if params.speculative == "lookup" and grammar is None:  # a grammar's state follows one token at a time
-            q.lookup = PromptLookup(tokens)
-            q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min)
+        if params.speculative and grammar is None:  # a grammar's state follows one token at a time
+            if params.speculative == "model" and self.drafter is None and self.options.draft_optional:
+                pass  # a server's draft model that cannot draft for this model: no drafts (info() says why)
+            elif params.speculative == "model":
+                if self.drafter is None:
+                    raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
+                                     + (f" ({self.draft_refused})" if self.draft_refused else ""),
+                                     "load one with --draft MODEL, or use --draft lookup")
+                q.history = list(tokens)
+                # a drafted token costs a draft model's decode: drafting must keep more of them to pay
+                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
+                                         min_rate=self._draft_cost())
+            else:
+                q.lookup = PromptLookup(tokens)
+                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min)
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
+
+    def _draft_cost(self) -> float:
+        """The share of drafted tokens a draft model must get accepted to pay for itself: the draft
+        model's time per drafted token over the target's time per step, as measured on this
+        engine's earlier steps (0.5 before any), plus about 0.1 for the batch position each drafted
+        token takes in the target's step."""
+        d = self.drafter
+        if d is None or not d.drafted or not self._target_rounds:
+            return 0.6
+        per_token = d.seconds / d.drafted
+        per_step = self._target_seconds / self._target_rounds
+        return min(0.95, per_token / max(per_step, 1e-9) + 0.1)
+
+    def _model_drafts(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """The draft model's drafts for these sequences; none (and no more drafting for them) if it fails."""
+        assert self.drafter is not None
+        try:
+            return self.drafter.draft(wants)
+        except EngineError:
+            for s in wants:
+                q = self.seqs[s]
+                if q is not None and q.control is not None:
+                    q.control.off = True
+            return {}
 
     def drafts(self, slot: int) -> tuple[int, int]:
         """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
@@ -438,21 +504,35 @@ class LlamaCppEngine:
         seqs = self.seqs
         decoding = sum(q is not None and q.last >= 0 for q in seqs)
         spare = self.n_batch - decoding  # batch positions left for drafts
+        modelled: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, draft length): the draft model's
+        for s, q in enumerate(seqs):
+            if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0:
+                assert q.control is not None
+                want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2, spare))
+                if want:
+                    modelled[s] = (q.history, want)
+                    spare -= want
+        from_model = self._model_drafts(modelled) if modelled else {}
         for s, q in enumerate(seqs):
             if q is not None and q.last >= 0:
                 owners.append((s, len(entries)))
                 entries.append((q.last, q.pos, s, True))
                 q.pos += 1
-                if q.control is not None and q.lookup is not None and not q.forced and spare > 0:
-                    want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 1, spare))
+                if q.control is None or q.forced:
+                    continue
+                if q.lookup is not None:
+                    want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 1, spare)) if spare > 0 else 0
                     draft = q.lookup.draft(want) if want else []
-                    if len(draft) >= q.control.draft_min:
-                        drafted[s] = draft
-                        entries.extend((d, q.pos + i, s, True) for i, d in enumerate(draft))
-                        spare -= len(draft)
+                    spare -= len(draft)
+                else:
+                    draft = from_model.get(s, [])
+                if draft and len(draft) >= q.control.draft_min:
+                    drafted[s] = draft
+                    entries.extend((d, q.pos + i, s, True) for i, d in enumerate(draft))
         room = self.n_batch - len(entries)
         if entries:
             room = min(room, self.prefill_cap)
+        decoded = len(entries)
         for s, q in enumerate(seqs):
             if room <= 0:
                 break
@@ -466,9 +546,15 @@ class LlamaCppEngine:
                 owners.append((s, len(entries) - 1))
             room -= end - q.todo
             q.todo = q.pos = end
+        prompting = len(entries) > decoded
         if not entries:
             return []
+        timed = self.drafter is not None and not prompting
+        t0 = time.perf_counter()
         self.decode(entries)
+        if timed:  # a step without prompt tokens: what a draft model's time per token is weighed against
+            self._target_seconds += time.perf_counter() - t0
+            self._target_rounds += 1
         import numpy as np  # with llama-cpp-python; imported here so that loading this module stays light
 
         ll, ctx = self.ll, self.ctx
@@ -506,10 +592,14 @@ class LlamaCppEngine:
                 if accepted < len(draft):
                     ll.llama_memory_seq_rm(self.mem, s, q.pos, -1)
                 assert q.control is not None
+                if q.history is not None:
+                    q.control.min_rate = self._draft_cost()
                 q.control.record(len(draft), accepted)
             if q.lookup is not None:
                 q.lookup.extend(kept)
-                q.room -= len(kept)
+            elif q.history is not None:
+                q.history.extend(kept)
+            q.room -= len(kept)
             q.last = tok
         return out
 
@@ -617,6 +707,10 @@ class LlamaCppEngine:
         ll = self.ll
         for s in range(len(getattr(self, "seqs", []))):
             self.finish(s)
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:
+            drafter.close()
+            self.drafter = None
         if getattr(self, "_embed_ctx", None):
             ll.llama_free(self._embed_ctx)
             self._embed_ctx = None

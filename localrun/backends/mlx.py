@@ -107,6 +107,9 @@ class MLXBackend:
                 "drop --kv-type, or run a GGUF copy of the model on llama.cpp "
                 f"('localrun convert {model.path}' makes one from a Hugging Face checkpoint)",
             )
+        if options.draft and not options.draft_optional:
+            raise UsageError(f"--draft MODEL: draft models run on the llama.cpp engine, and '{model.name}' runs on MLX",
+                             "run a GGUF copy of the model on llama.cpp, or drop --draft")
         return MLXEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:

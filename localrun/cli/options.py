@@ -103,12 +103,11 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
     """Speculative decoding: how drafts are made and how long they may be."""
-    from localrun.generation import DRAFTERS
-
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", choices=DRAFTERS, dest="speculative",
-                   help="draft tokens and verify them in one batched step: lookup drafts from the prompt and the "
-                        "reply so far (rewrites and edits that repeat their input gain most); the reply is the same")
+    g.add_argument("--draft", dest="speculative", metavar="lookup|MODEL",
+                   help="draft tokens and verify them in one batched step, with the same reply: 'lookup' drafts "
+                        "from the prompt and the reply so far (rewrites and edits that repeat their input gain "
+                        "most); a MODEL (a smaller one with the same vocabulary) drafts with that model")
     g.add_argument("--draft-max", type=int_in(1, 64), metavar="N", help="tokens drafted per step at most (default 8)")
     g.add_argument("--draft-min", type=int_in(1, 64), metavar="N",
                    help="draft only when at least N tokens can be drafted (default 1)")
@@ -269,7 +268,7 @@ def params_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None =
     """GenerationParams from parsed flags; unset flags keep the defaults (a preset's, then localrun's)."""
     values: dict[str, Any] = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
     if getattr(args, "speculative", None) is not None:
-        values["speculative"] = args.speculative
+        values["speculative"] = "lookup" if args.speculative == "lookup" else "model"
     if hasattr(args, "schema"):
         c = constraint_from_args(args)
         if c is not None:
@@ -283,4 +282,13 @@ def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> Loa
     _check_cpu_moe(args, getattr(args, "engine", None))
     return LoadOptions(n_ctx=args.ctx, n_threads=args.threads, gpu_layers=args.gpu_layers, flash_attn=fa,
                        n_parallel=n_parallel, cpu_moe=getattr(args, "cpu_moe", 0),
-                       kv_type=getattr(args, "kv_type", "f16"))
+                       kv_type=getattr(args, "kv_type", "f16"), draft=draft_model_path(getattr(args, "speculative", None)))
+
+
+def draft_model_path(value: str | None) -> str | None:
+    """The GGUF file of --draft MODEL (None for --draft lookup or no --draft)."""
+    if value is None or value == "lookup":
+        return None
+    from localrun import api
+
+    return api.draft_file(value)

@@ -7,8 +7,13 @@ import os
 import sys
 from typing import Any
 
-from localrun.cli.options import MAX_PARALLEL, add_load_flags, int_in, load_options_from_args
-from localrun.generation import DRAFTERS
+from localrun.cli.options import (
+    MAX_PARALLEL,
+    add_load_flags,
+    draft_model_path,
+    int_in,
+    load_options_from_args,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434  # Ollama's, so its clients work with no configuration
@@ -44,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
     m.add_argument("--keep-alive", type=_duration, default=300.0, metavar="DURATION",
                    help="how long a model stays loaded after its last request: seconds, '5m', '1h', -1 for forever (default 5m)")
-    m.add_argument("--draft", choices=DRAFTERS, help="speculative decoding for every request that does not ask "
-                   "otherwise (its `speculative` field): lookup drafts from the prompt and the reply so far")
+    m.add_argument("--draft", metavar="lookup|MODEL", help="speculative decoding for every request that does not "
+                   "ask otherwise (its `speculative` field): 'lookup' drafts from the prompt and the reply so far; "
+                   "a MODEL drafts for the models whose vocabulary it shares")
     add_load_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -95,7 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise UsageError(f"invalid value for --max-queue: {args.max_queue}", "expected an integer >= 0 (0: unbounded)")
-    options = dataclasses.replace(load_options_from_args(args, n_parallel=args.parallel), max_queue=args.max_queue)
+    options = dataclasses.replace(load_options_from_args(args, n_parallel=args.parallel), max_queue=args.max_queue,
+                                  draft=draft_model_path(args.draft), draft_optional=True)
     key = args.api_key or os.environ.get("LOCALRUN_API_KEY") or None
     origins = tuple(o for value in args.origins for o in value.split(",") if o.strip())
     sock = bind(args.host, args.port)
@@ -107,7 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from localrun.server.app import ServerConfig, create_app
 
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
-                              lora=_default_adapters(args.lora), draft=args.draft)
+                              lora=_default_adapters(args.lora),
+                              draft=None if args.draft is None else "lookup" if args.draft == "lookup" else "model")
         pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
         if not is_loopback(args.host):

@@ -106,7 +106,7 @@ class Sampling(_Request):
     presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    speculative: bool | Literal["lookup", "none", "off"] | None = None  # speculative decoding (an extension)
+    speculative: bool | Literal["lookup", "model", "none", "off"] | None = None  # speculative decoding (an extension)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -312,7 +312,7 @@ class OllamaGenerating(_Loading):
     format: Any = None
     think: bool | Literal["low", "medium", "high"] | None = None
     think_budget: Annotated[int | None, Field(ge=0)] = None  # tokens of thought (also accepted in options)
-    speculative: bool | Literal["lookup", "none", "off"] | None = None  # speculative decoding (an extension)
+    speculative: bool | Literal["lookup", "model", "none", "off"] | None = None  # speculative decoding (an extension)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 

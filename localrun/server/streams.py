@@ -74,7 +74,7 @@ class ServerConfig:
     # `serve --lora`: adapters (store name, scale) that requests for their base model run with
     # when they name no adapters of their own
     lora: tuple[tuple[str, float], ...] = ()
-    draft: str | None = None  # `serve --draft`: speculative decoding for requests that do not say
+    draft: str | None = None  # `serve --draft`: speculative decoding ("lookup" or "model") for requests that do not say
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
 
     @property
@@ -87,13 +87,14 @@ class ServerConfig:
 
 
 def with_draft(params: GenerationParams, asked: str | bool | None, default: str | None) -> GenerationParams:
-    """A request's speculative decoding: its own `speculative` ("lookup", or false/"none" for off),
-    else the preset's, else the server's (`serve --draft`)."""
+    """A request's speculative decoding: its own `speculative` ("lookup", "model" for the draft
+    model loaded with the model, true for the server's drafter or else lookup, false/"none" for
+    off), else the preset's, else the server's (`serve --draft`)."""
     if asked is None:
         return params if params.speculative or not default else dataclasses.replace(params, speculative=default)
     if asked is False or asked in ("none", "off"):
         return dataclasses.replace(params, speculative=None)
-    return dataclasses.replace(params, speculative="lookup" if asked is True else str(asked))
+    return dataclasses.replace(params, speculative=(default or "lookup") if asked is True else str(asked))
 
 
 # -- the bridge from the engine's threads to asyncio --------------------------------------------

@@ -257,6 +257,34 @@ async def _test_settings_choice_constrains_the_next_reply(make_app: Any, starter
         assert dialog.query_one("#output-text").text == "yes,no"
 
 
+def test_settings_turn_on_a_draft_model_and_the_status_line_counts_drafts(make_app: Any, starter: Path) -> None:
+    asyncio.run(_test_settings_turn_on_a_draft_model(make_app, starter))
+
+
+async def _test_settings_turn_on_a_draft_model(make_app: Any, starter: Path) -> None:
+    """`localrun tui --draft MODEL` loads the draft model; the settings dialog turns drafting on for
+    a conversation, and the status line shows what the last reply drafted and kept."""
+    app = make_app(params=GenerationParams(temperature=0, max_tokens=24),
+                   load_options=LoadOptions(n_ctx=1024, draft=str(starter)))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_starter_chat(pilot)
+        dialog = await open_settings(pilot)
+        select = dialog.query_one("#set-draft")
+        assert select.value == "off"
+        await pilot.click("#set-draft")
+        await wait_for(pilot, lambda: select.expanded, "the drafter list to open")
+        await pilot.press("home", "down", "down", "enter")
+        await wait_for(pilot, lambda: select.value == "model", "the draft model chosen")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen, "the dialog to close")
+        assert screen.conversation is not None
+        assert app.conversations.get(screen.conversation.id).params.speculative == "model"
+        await ask(pilot, QUESTION)
+        reply = app.conversations.get(screen.conversation.id).turns[-1]
+        assert reply.stats["accepted_tokens"] > 0 and reply.stats["drafted_tokens"] >= reply.stats["accepted_tokens"]
+        assert f"drafts {reply.stats['accepted_tokens']}/{reply.stats['drafted_tokens']} kept" in screen.status.text()
+
+
 def test_settings_refuse_an_invalid_schema_and_stay_open(make_app: Any, starter: Path) -> None:
     asyncio.run(_test_settings_refuse_an_invalid_schema_and_stay_open(make_app, starter))
 

@@ -122,7 +122,10 @@ _FIELDS = (
     ("repeat_penalty", "Repeat penalty", float),
     ("max_tokens", "Max tokens", int),
     ("seed", "Seed", int),
+    ("draft_max", "Draft max", int),
 )
+# Speculative decoding: the dialog's choices (GenerationParams.speculative) and their labels
+DRAFTERS = {"off": "off", "lookup": "prompt lookup", "model": "draft model (tui --draft MODEL)"}
 
 
 # Structured output: the dialog's kinds, their labels, and what the text box holds for each.
@@ -200,6 +203,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                         yield Label(title)
                         yield Input("" if value is None else str(value), id=f"set-{key}", compact=True,
                                     placeholder="default" if key in ("max_tokens", "seed") else "")
+                    yield Label("Speculation")
+                    yield Select([(label, kind) for kind, label in DRAFTERS.items()],
+                                 value=self.params.speculative or "off", allow_blank=False, compact=True,
+                                 id="set-draft")
                     yield Label("Structured output")
                     yield Select([(label, kind) for kind, label in OUTPUT_KINDS.items()], value=self.kind,
                                  allow_blank=False, compact=True, id="set-output")
@@ -247,6 +254,8 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             constraint = api.constraint(spec, "structured output") if spec is not None else None
             values["grammar"] = constraint.grammar if constraint is not None else None
             values["grammar_trigger"] = None
+            drafter = str(self.query_one("#set-draft", Select).value)
+            values["speculative"] = None if drafter == "off" else drafter
             field = None
             params = GenerationParams(**{**self.params.to_dict(), **values})  # type: ignore[arg-type]
         except LocalrunError as e:
