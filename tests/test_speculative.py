@@ -45,17 +45,22 @@ def test_the_index_drafts_what_a_search_of_the_history_finds() -> None:
 
 def test_draft_length_follows_acceptance_and_drafting_stops_when_it_does_not_pay() -> None:
     c = DraftControl(draft_max=6, draft_min=2, window=12)
-    assert c.wanted(100) == 6 and c.wanted(3) == 3 and c.wanted(1) == 0  # never more than room, nor under min
-    c.record(6, 6)
-    assert c.size == 6
+    assert c.wanted(100) == 4 and c.wanted(3) == 3 and c.wanted(1) == 0  # starts at 4; within room; never under min
+    c.record(4, 4)
+    assert c.size == 6  # doubled, up to draft_max
     c.record(6, 1)
     assert c.size == 2  # what was accepted, and one more
     c.record(2, 2)
-    assert c.size == 3
+    assert c.size == 4 and not c.off  # 7 of the window's 12 kept: it pays
+    c.record(4, 0)
+    assert not c.off
+    c.record(4, 0)
+    assert c.off and c.wanted(100) == 0  # none of 8 kept, under half of min_rate: it stops early
+    assert (c.drafted, c.accepted) == (20, 7)
+    late = DraftControl(draft_max=8, min_rate=0.5, window=16)
     for _ in range(4):
-        c.record(3, 0)
-    assert c.off and c.wanted(100) == 0  # 2 kept of the 14 drafted in its last window: it stops
-    assert (c.drafted, c.accepted) == (26, 9)
+        late.record(4, 1)  # a quarter kept: over half of min_rate, so the whole window is waited for
+    assert late.off and late.drafted == 16
 
 
 def _reply(session: object, prompt: str, **params: object) -> tuple[str, object]:

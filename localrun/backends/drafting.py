@@ -82,18 +82,21 @@ class PromptLookup:
 class DraftControl:
     """One sequence's drafting: how many tokens to draft next, from the acceptance measured so far.
 
-    The draft grows by one after a step whose draft was wholly accepted and shrinks to what was
-    accepted (at least draft_min) after one that was not. A draft costs the model a position in
-    the batch; when the tokens it saved over the last `window` drafted tokens fall below
-    `min_rate` of those drafted, the sequence stops drafting (and is never slower than plain
-    decoding by more than those few positions).
+    Drafts start at `start` tokens, double after a step whose draft was wholly accepted and shrink
+    to what was accepted plus one (at least draft_min) after one that was not. A drafted token
+    costs the model a position in its batch (and a draft model's decode); `min_rate` is the share
+    of drafted tokens that must be kept to pay for that (the engine updates it from measured step
+    costs). The sequence stops drafting when fewer were kept over its last `window` drafted
+    tokens, or fewer than half that over the first half of a window, so a reply that does not
+    repeat its input decodes about as fast as without speculation.
     """
 
     draft_max: int = 8
     draft_min: int = 1
     min_rate: float = 0.3
-    window: int = 32
-    size: int = 0  # the next draft's length (0: start at draft_max)
+    window: int = 16
+    start: int = 4
+    size: int = 0  # the next draft's length (0: start)
     drafted: int = 0  # over the reply
     accepted: int = 0
     recent_drafted: int = 0
@@ -101,7 +104,7 @@ class DraftControl:
     off: bool = False
 
     def __post_init__(self) -> None:
-        self.size = self.size or self.draft_max
+        self.size = self.size or max(self.draft_min, min(self.start, self.draft_max))
 
     def wanted(self, room: int) -> int:
         """How many tokens to draft now, within room (the reply's budget and the context left)."""
@@ -119,10 +122,50 @@ class DraftControl:
         self.recent_drafted += drafted
         self.recent_accepted += accepted
         if accepted == drafted:
-            self.size = min(self.draft_max, self.size + 1)
+            self.size = min(self.draft_max, self.size * 2)
         else:
             self.size = max(self.draft_min, accepted + 1)
-        if self.recent_drafted >= self.window:
+        if self.recent_drafted >= self.window // 2 and self.recent_accepted < self.min_rate * self.recent_drafted / 2:
+            self.off = True  # clearly not paying: no need to wait for the whole window
+        elif self.recent_drafted >= self.window:
             if self.recent_accepted < self.min_rate * self.recent_drafted:
                 self.off = True
             self.recent_drafted = self.recent_accepted = 0
+
+
+class StepCost:
+    """What a step of the model costs, fitted as seconds = a + b x positions over its recent steps
+    without prompt tokens (a: reading the weights once; b: each position in the batch), so that
+    drafting can be weighed: a sequence's drafted token costs b in the model's step (plus the draft
+    model's time for it, if any) and saves a step's share of one sequence, (a + b n) / n, when kept."""
+
+    DECAY = 0.97  # each step's weight in the fit against the next one's: about the last 30 steps count
+
+    def __init__(self) -> None:
+        self.w = self.sp = self.st = self.spp = self.spt = 0.0
+
+    def record(self, positions: int, seconds: float) -> None:
+        k = self.DECAY
+        self.w, self.sp, self.st = self.w * k + 1, self.sp * k + positions, self.st * k + seconds
+        self.spp, self.spt = self.spp * k + positions * positions, self.spt * k + positions * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before there are steps to fit."""
+        if self.w < 3:
+            return None
+        mp, mt = self.sp / self.w, self.st / self.w
+        var = self.spp / self.w - mp * mp
+        # without steps of different sizes the slope is unknown: take a position as a tenth of a step
+        b = (self.spt / self.w - mp * mt) / var if var > 0.25 else mt / max(mp, 1) / 10
+        b = min(max(b, 0.0), mt / max(mp, 1))
+        return max(mt - b * mp, 0.0), b
+
+    def min_rate(self, sequences: int, draft_seconds: float, default: float) -> float:
+        """The share of drafted tokens that must be kept for drafting to pay, for one of `sequences`
+        decoding together whose drafted tokens each take draft_seconds to make (0 for lookup)."""
+        fitted = self.fit()
+        if fitted is None:
+            return default
+        a, b = fitted
+        n = max(1, sequences)
+        return (b + draft_seconds) * n / max(a + b * n, 1e-9)

@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
-from localrun.backends.drafting import DraftControl, PromptLookup
+from localrun.backends.drafting import DraftControl, PromptLookup, StepCost
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_draft import DraftModel, vocab_facts
 from localrun.backends.llama_loader import (
@@ -47,6 +47,7 @@ from localrun.generation import (
 from localrun.store import ModelInfo
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+EXPLORE_EVERY = 8  # while sequences draft, every 8th step drafts nothing (StepCost then sees steps of both sizes)
 
 
 def system_info() -> dict[str, Any]:
@@ -179,8 +180,8 @@ class LlamaCppEngine:
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab, self.token_text)
         self.drafter: DraftModel | None = None  # speculative decoding's draft model (--draft MODEL), if loaded
         self.draft_refused: str | None = None  # why the draft model asked for does not draft (draft_optional)
-        self._target_seconds = 0.0  # time in the target's decodes of steps that drafted with the draft model
-        self._target_rounds = 0
+        self._cost = StepCost()  # what this model's steps cost, to weigh drafts against
+        self._drafting_steps = 0
         if options.draft:
             self._load_drafter(options)
 
@@ -454,25 +455,20 @@ class LlamaCppEngine:
                                      "load one with --draft MODEL, or use --draft lookup")
                 q.history = list(tokens)
                 # a drafted token costs a draft model's decode: drafting must keep more of them to pay
-                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
-                                         min_rate=self._draft_cost())
+                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min, min_rate=0.6)
             else:
                 q.lookup = PromptLookup(tokens)
                 q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min)
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
 
-    def _draft_cost(self) -> float:
-        """The share of drafted tokens a draft model must get accepted to pay for itself: the draft
-        model's time per drafted token over the target's time per step, as measured on this
-        engine's earlier steps (0.5 before any), plus about 0.1 for the batch position each drafted
-        token takes in the target's step."""
+    def _min_rate(self, q: _Seq, sequences: int) -> float:
+        """The share of its drafted tokens the sequence must keep for drafting to pay (StepCost)."""
         d = self.drafter
-        if d is None or not d.drafted or not self._target_rounds:
-            return 0.6
-        per_token = d.seconds / d.drafted
-        per_step = self._target_seconds / self._target_rounds
-        return min(0.95, per_token / max(per_step, 1e-9) + 0.1)
+        if q.history is None:
+            return self._cost.min_rate(sequences, 0.0, 0.3)
+        per_token = d.seconds / d.drafted if d is not None and d.drafted else 0.0
+        return self._cost.min_rate(sequences, per_token, 0.6)
 
     def _model_drafts(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """The draft model's drafts for these sequences; none (and no more drafting for them) if it fails."""
@@ -504,6 +500,10 @@ class LlamaCppEngine:
         seqs = self.seqs
         decoding = sum(q is not None and q.last >= 0 for q in seqs)
         spare = self.n_batch - decoding  # batch positions left for drafts
+        if any(q is not None and q.control is not None and not q.control.off for q in seqs):
+            self._drafting_steps += 1
+            if self._drafting_steps % EXPLORE_EVERY == 0:
+                spare = 0  # a step without drafts now and then: what drafted steps are measured against
         modelled: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, draft length): the draft model's
         for s, q in enumerate(seqs):
             if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0:
@@ -549,12 +549,10 @@ class LlamaCppEngine:
         prompting = len(entries) > decoded
         if not entries:
             return []
-        timed = self.drafter is not None and not prompting
         t0 = time.perf_counter()
         self.decode(entries)
-        if timed:  # a step without prompt tokens: what a draft model's time per token is weighed against
-            self._target_seconds += time.perf_counter() - t0
-            self._target_rounds += 1
+        if not prompting and (drafted or any(q is not None and q.control is not None for q in seqs)):
+            self._cost.record(len(entries), time.perf_counter() - t0)  # what drafts are weighed against
         import numpy as np  # with llama-cpp-python; imported here so that loading this module stays light
 
         ll, ctx = self.ll, self.ctx
@@ -592,8 +590,7 @@ class LlamaCppEngine:
                 if accepted < len(draft):
                     ll.llama_memory_seq_rm(self.mem, s, q.pos, -1)
                 assert q.control is not None
-                if q.history is not None:
-                    q.control.min_rate = self._draft_cost()
+                q.control.min_rate = self._min_rate(q, decoding)
                 q.control.record(len(draft), accepted)
             if q.lookup is not None:
                 q.lookup.extend(kept)
