@@ -70,6 +70,7 @@ class GenerationParams:
     speculative: str | None = None
     draft_max: int = 8
     draft_min: int = 1
+    draft_always: bool = False  # draft even where the measured costs say drafting does not pay
 
     def __post_init__(self) -> None:
         _check(_finite(self.temperature) and self.temperature >= 0, "--temperature", self.temperature, "a number >= 0")

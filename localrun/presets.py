@@ -57,6 +57,12 @@ def _drafter(v: str) -> str:
     return v
 
 
+def _flag(v: str) -> bool:
+    if v.lower() not in ("true", "false"):
+        raise ValueError("must be true or false")
+    return v.lower() == "true"
+
+
 def _float(v: str) -> float:
     x = float(v)
     if x != x or x in (float("inf"), float("-inf")):
@@ -88,6 +94,7 @@ PARAMETERS: dict[str, tuple[Callable[[str], Any], str, str]] = {
     "draft": (_drafter, "gen", "speculative"),
     "draft_max": (_pos_int, "gen", "draft_max"),
     "draft_min": (_pos_int, "gen", "draft_min"),
+    "draft_always": (_flag, "gen", "draft_always"),
     "num_ctx": (_pos_int, "load", "n_ctx"),
     "num_batch": (_pos_int, "load", "n_batch"),
     "num_thread": (_pos_int, "load", "n_threads"),

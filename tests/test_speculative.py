@@ -53,10 +53,8 @@ def test_draft_length_follows_acceptance_and_drafting_stops_when_it_does_not_pay
     c.record(2, 2)
     assert c.size == 4 and not c.off  # 7 of the window's 12 kept: it pays
     c.record(4, 0)
-    assert not c.off
-    c.record(4, 0)
-    assert c.off and c.wanted(100) == 0  # none of 8 kept, under half of min_rate: it stops early
-    assert (c.drafted, c.accepted) == (20, 7)
+    assert c.off and c.wanted(100) == 0  # none of 4 kept, under half of min_rate: it stops early
+    assert (c.drafted, c.accepted) == (16, 7)
     late = DraftControl(draft_max=8, min_rate=0.5, window=16)
     for _ in range(4):
         late.record(4, 1)  # a quarter kept: over half of min_rate, so the whole window is waited for
@@ -70,8 +68,9 @@ def _reply(session: object, prompt: str, **params: object) -> tuple[str, object]
 
 @pytest.fixture(scope="module")
 def session() -> object:
-    """The starter with itself as its draft model: the cheapest draft with the same vocabulary (the
-    benchmark drafts with a smaller quantization instead)."""
+    """The starter with itself as its draft model: the only draft with its vocabulary here. A draft
+    that costs what the model costs never pays, so drafting would turn itself down: the tests of
+    verification ask for draft_always (the benchmark drafts with a smaller quantization instead)."""
     s = api.load(MODEL, LoadOptions(n_ctx=1024, n_parallel=8, draft=api.draft_file(MODEL)))
     yield s
     s.close()
@@ -82,7 +81,7 @@ def test_greedy_replies_are_the_same_with_and_without_drafts(session: object, dr
     for prompt in (REWRITE, PROSE):
         _reply(session, prompt, temperature=0, max_tokens=1)  # both sides then find the same cached prefix
         plain, plain_end = _reply(session, prompt, temperature=0, max_tokens=80)
-        drafted, end = _reply(session, prompt, temperature=0, max_tokens=80, speculative=drafter)
+        drafted, end = _reply(session, prompt, temperature=0, max_tokens=80, speculative=drafter, draft_always=True)
         assert drafted == plain
         assert end.completion_tokens == plain_end.completion_tokens  # type: ignore[attr-defined]
         if drafter == "model" or prompt == REWRITE:
@@ -137,14 +136,14 @@ def test_the_chi_square_test_tells_distributions_apart() -> None:
 
 def test_sampled_replies_follow_the_models_distribution(session: object) -> None:
     """Drafts are kept only while the model's own sample at each position equals them, so sampled
-    replies with drafts come from the model's distribution. 250 replies (different seeds) of each
-    drafter against 250 without drafts: a chi-square test finds no difference (p > 0.001), while it
+    replies with drafts come from the model's distribution. 200 replies (different seeds) of each
+    drafter against 200 without drafts: a chi-square test finds no difference (p > 0.001), while it
     tells temperature 1.0 from 0.6 apart (p < 1e-4): the test can see a shift that size."""
     request = api.build_messages(REWRITE)
 
     def sample(seed0: int, temperature: float, speculative: str | None) -> tuple[list[str], int]:
         rows = [(i, request, GenerationParams(temperature=temperature, seed=seed0 + i, max_tokens=4,
-                                              speculative=speculative)) for i in range(250)]
+                                              speculative=speculative, draft_always=True)) for i in range(200)]
         out = [r for r in session.generate_many(rows) if hasattr(r, "text")]  # type: ignore[attr-defined]
         assert not [r.error for r in out if r.error]
         return [r.text for r in out], sum(r.accepted_tokens for r in out)
@@ -152,7 +151,7 @@ def test_sampled_replies_follow_the_models_distribution(session: object) -> None
     plain, _ = sample(0, 1.0, None)
     for i, drafter in enumerate(("lookup", "model")):
         drafted, kept = sample(100_000 * (i + 1), 1.0, drafter)
-        assert kept > 200, drafter  # drafts were kept: this is the path under test
+        assert kept > 150, drafter  # drafts were kept: this is the path under test
         assert _homogeneity(plain, drafted) > 1e-3, drafter
     colder, _ = sample(300_000, 0.6, None)
     assert _homogeneity(plain, colder) < 1e-4
@@ -192,7 +191,7 @@ def test_run_reports_drafted_and_accepted_tokens(cli: object, starter: object) -
     bad = cli("run", MODEL, "hi", "--draft", "nonsense")  # type: ignore[operator]
     assert bad.returncode != 0 and "draft model: model 'nonsense' is not installed" in bad.stderr
     with_model = cli("run", MODEL, PROSE, "--json", "--temperature", "0", "--max-tokens", "40",  # type: ignore[operator]
-                     "--draft", MODEL)
+                     "--draft", MODEL, "--draft-always")
     assert with_model.returncode == 0, with_model.stderr
     record = json.loads(with_model.stdout)
     assert 0 < record["accepted_tokens"] <= record["drafted_tokens"]
@@ -223,7 +222,7 @@ def test_vocabularies_compare_as_llama_cpp_compares_them() -> None:
 
 
 def test_a_preset_names_its_draft_model(cli: object, tmp_path: Path, starter: object) -> None:
-    (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\nPARAMETER draft {MODEL}\nPARAMETER draft_max 4\n")
+    (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\nPARAMETER draft {MODEL}\nPARAMETER draft_max 4\nPARAMETER draft_always true\n")
     made = cli("create", "drafty", "-f", str(tmp_path / "Modelfile"))  # type: ignore[operator]
     assert made.returncode == 0, made.stderr
     out = cli("run", "drafty", PROSE, "--json", "--temperature", "0", "--max-tokens", "30")  # type: ignore[operator]
@@ -246,7 +245,7 @@ def test_serve_drafts_with_a_model_for_the_models_that_share_its_vocabulary(cli:
 
     assert cli("add", str(stories), "--name", "stories:260k").returncode == 0  # type: ignore[operator]
     proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--port", "0", "--ctx", "512", "--parallel", "2",
-                             "--draft", MODEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--draft", MODEL, "--draft-always"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "LOCALRUN_API_KEY": ""})
     try:
         assert proc.stderr is not None
@@ -312,3 +311,14 @@ def test_the_tui_status_line_shows_the_last_replys_drafts() -> None:
     bar = StatusBar()
     bar.model, bar.state, bar.tokens_per_second, bar.drafts = MODEL, "ready", 120.0, (40, 31)
     assert bar.text() == f"{MODEL} │ ready │ 120.0 tok/s │ drafts 31/40 kept │ ctx 0"
+
+
+def test_a_draft_that_costs_what_the_model_costs_turns_itself_down(session: object) -> None:
+    """The starter drafting for itself costs about a step per drafted token, so it pays only if
+    nearly every drafted token is kept: sampled prose keeps too few, and by default its reply stops
+    drafting within one window of 16 drafted tokens (or never starts, once the costs are measured)."""
+    params = {"temperature": 1.0, "seed": 3, "max_tokens": 80, "speculative": "model"}
+    _, forced = _reply(session, PROSE, **params, draft_always=True)
+    assert forced.drafted_tokens > 40 and forced.accepted_tokens < forced.drafted_tokens  # type: ignore[attr-defined]
+    _, end = _reply(session, PROSE, **params)
+    assert end.drafted_tokens <= 16 < forced.drafted_tokens  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ class Abilities:
     expert_offload: bool = False  # --cpu-moe: a mixture-of-experts model's expert weights kept in host memory
     embeddings: bool = False
     images: bool = False
-    drafting: bool = False  # speculative decoding: drafts verified in the batched decode (--draft lookup)
+    drafting: bool = False  # speculative decoding: drafts verified in the batched decode (--draft lookup|MODEL)
     structured_output: bool = False  # replies held to a grammar (JSON schema, GBNF, choice)
 
     def names(self) -> list[str]:

@@ -87,8 +87,8 @@ class DraftControl:
     costs the model a position in its batch (and a draft model's decode); `min_rate` is the share
     of drafted tokens that must be kept to pay for that (the engine updates it from measured step
     costs). The sequence stops drafting when fewer were kept over its last `window` drafted
-    tokens, or fewer than half that over the first half of a window, so a reply that does not
-    repeat its input decodes about as fast as without speculation.
+    tokens, or fewer than half that share as soon as it has drafted a quarter of a window (at
+    least 4), so a reply that does not repeat its input decodes about as fast as without speculation.
     """
 
     draft_max: int = 8
@@ -96,6 +96,7 @@ class DraftControl:
     min_rate: float = 0.3
     window: int = 16
     start: int = 4
+    always: bool = False  # draft whatever it costs (the length still follows acceptance)
     size: int = 0  # the next draft's length (0: start)
     drafted: int = 0  # over the reply
     accepted: int = 0
@@ -125,7 +126,10 @@ class DraftControl:
             self.size = min(self.draft_max, self.size * 2)
         else:
             self.size = max(self.draft_min, accepted + 1)
-        if self.recent_drafted >= self.window // 2 and self.recent_accepted < self.min_rate * self.recent_drafted / 2:
+        early = max(4, self.window // 4)
+        if self.always:
+            pass
+        elif self.recent_drafted >= early and self.recent_accepted < self.min_rate * self.recent_drafted / 2:
             self.off = True  # clearly not paying: no need to wait for the whole window
         elif self.recent_drafted >= self.window:
             if self.recent_accepted < self.min_rate * self.recent_drafted:

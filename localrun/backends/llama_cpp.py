@@ -455,18 +455,22 @@ class LlamaCppEngine:
                                      "load one with --draft MODEL, or use --draft lookup")
                 q.history = list(tokens)
                 # a drafted token costs a draft model's decode: drafting must keep more of them to pay
-                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min, min_rate=0.6)
+                # a draft model's tokens cost a decode each: start with short drafts while acceptance is unknown
+                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min, min_rate=0.6, start=2,
+                                         always=params.draft_always)
             else:
                 q.lookup = PromptLookup(tokens)
-                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min)
+                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
+                                         always=params.draft_always)
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
 
-    def _min_rate(self, q: _Seq, sequences: int) -> float:
-        """The share of its drafted tokens the sequence must keep for drafting to pay (StepCost)."""
-        d = self.drafter
-        if q.history is None:
+    def _min_rate(self, model: bool, sequences: int) -> float:
+        """The share of its drafted tokens a sequence must keep for drafting (with the draft model,
+        or by lookup) to pay, with this many sequences decoding (StepCost)."""
+        if not model:
             return self._cost.min_rate(sequences, 0.0, 0.3)
+        d = self.drafter
         per_token = d.seconds / d.drafted if d is not None and d.drafted else 0.0
         return self._cost.min_rate(sequences, per_token, 0.6)
 
@@ -504,9 +508,14 @@ class LlamaCppEngine:
             self._drafting_steps += 1
             if self._drafting_steps % EXPLORE_EVERY == 0:
                 spare = 0  # a step without drafts now and then: what drafted steps are measured against
+        # Drafts that could not pay even if all were kept (at this many sequences, drafting costs
+        # more than the step it saves) are not made: the sequence drafts again when fewer decode.
+        model_pays = self.drafter is not None and self._min_rate(True, decoding) < 1
+        lookup_pays = self._min_rate(False, decoding) < 1
         modelled: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, draft length): the draft model's
         for s, q in enumerate(seqs):
-            if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0:
+            if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0 \
+                    and (model_pays or q.control is not None and q.control.always):
                 assert q.control is not None
                 want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2, spare))
                 if want:
@@ -521,7 +530,8 @@ class LlamaCppEngine:
                 if q.control is None or q.forced:
                     continue
                 if q.lookup is not None:
-                    want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 1, spare)) if spare > 0 else 0
+                    fits = min(q.room - 1, self.n_ctx - q.pos - 1, spare)
+                    want = q.control.wanted(fits) if spare > 0 and (lookup_pays or q.control.always) else 0
                     draft = q.lookup.draft(want) if want else []
                     spare -= len(draft)
                 else:
@@ -590,7 +600,7 @@ class LlamaCppEngine:
                 if accepted < len(draft):
                     ll.llama_memory_seq_rm(self.mem, s, q.pos, -1)
                 assert q.control is not None
-                q.control.min_rate = self._min_rate(q, decoding)
+                q.control.min_rate = self._min_rate(q.history is not None, decoding)
                 q.control.record(len(draft), accepted)
             if q.lookup is not None:
                 q.lookup.extend(kept)

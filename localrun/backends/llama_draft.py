@@ -21,6 +21,7 @@ from localrun.errors import EngineError, UsageError
 # from this id on (the first few are special tokens some conversions order differently)
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START = 5
+DECAY = 0.97  # the weight of a draft call's cost against the next one's
 P_MIN = 0.1  # a draft stops at a token the draft model gives less than this probability
 
 
@@ -87,7 +88,7 @@ class DraftModel:
             raise
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens in each stream's KV cache
         self.seconds = 0.0  # time spent drafting, and tokens drafted (the engine weighs them against its steps)
-        self.drafted = 0
+        self.drafted = 0.0
 
     def copy(self, source: int, slot: int) -> None:
         """The slot's stream becomes a copy of source's (a conversation continued in another slot)."""
@@ -147,8 +148,9 @@ class DraftModel:
                 break
             self._decode(entries)
             pick(entries)
-        self.seconds += time.perf_counter() - t0
-        self.drafted += sum(len(d) for d in out.values())
+        # recent calls count most: drafting for one sequence costs more per token than for several
+        self.seconds = self.seconds * DECAY + time.perf_counter() - t0
+        self.drafted = self.drafted * DECAY + sum(len(d) for d in out.values())
         return out
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
 GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens",
-             "think_budget", "draft_max", "draft_min")
+             "think_budget", "draft_max", "draft_min", "draft_always")
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -111,6 +111,9 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-max", type=int_in(1, 64), metavar="N", help="tokens drafted per step at most (default 8)")
     g.add_argument("--draft-min", type=int_in(1, 64), metavar="N",
                    help="draft only when at least N tokens can be drafted (default 1)")
+    g.add_argument("--draft-always", action="store_true", default=None,
+                   help="keep drafting where the measured costs say it does not pay (by default a sequence stops "
+                        "drafting when its drafts cost more than they save)")
 
 
 def add_thinking_flags(p: argparse.ArgumentParser, hide: bool = True) -> None:

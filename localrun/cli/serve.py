@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--draft", metavar="lookup|MODEL", help="speculative decoding for every request that does not "
                    "ask otherwise (its `speculative` field): 'lookup' drafts from the prompt and the reply so far; "
                    "a MODEL drafts for the models whose vocabulary it shares")
+    m.add_argument("--draft-always", action="store_true", help="keep drafting where the measured costs say it does "
+                   "not pay (by default a sequence stops drafting when its drafts cost more than they save)")
     add_load_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -115,7 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
                               lora=_default_adapters(args.lora),
-                              draft=None if args.draft is None else "lookup" if args.draft == "lookup" else "model")
+                              draft=None if args.draft is None else "lookup" if args.draft == "lookup" else "model",
+                              draft_always=args.draft_always)
         pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
         if not is_loopback(args.host):

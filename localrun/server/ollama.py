@@ -269,7 +269,7 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     think = await _think(body, model)
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
@@ -288,7 +288,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     or unloads the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     think = await _think(body, model)
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})

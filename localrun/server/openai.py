@@ -195,7 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
     target = await _target(request, body.model, body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
@@ -329,7 +329,7 @@ async def _sse_stream(events: AsyncIterator[bytes], run: Run, jobs: list[Job], b
 async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
     """Plain-text continuations of each prompt (n per prompt), streamed or as one JSON object."""
     target = await _target(request, body.model, body.lora)
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request).draft)
+    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     if body.echo and body.logprobs is not None:
         raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
     prompts = body.prompts()

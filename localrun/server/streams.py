@@ -75,6 +75,7 @@ class ServerConfig:
     # when they name no adapters of their own
     lora: tuple[tuple[str, float], ...] = ()
     draft: str | None = None  # `serve --draft`: speculative decoding ("lookup" or "model") for requests that do not say
+    draft_always: bool = False  # `serve --draft-always`: drafting does not turn itself down
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
 
     @property
@@ -86,10 +87,13 @@ class ServerConfig:
         return self.allow_pull or self.loopback
 
 
-def with_draft(params: GenerationParams, asked: str | bool | None, default: str | None) -> GenerationParams:
+def with_draft(params: GenerationParams, asked: str | bool | None, config: ServerConfig) -> GenerationParams:
     """A request's speculative decoding: its own `speculative` ("lookup", "model" for the draft
     model loaded with the model, true for the server's drafter or else lookup, false/"none" for
-    off), else the preset's, else the server's (`serve --draft`)."""
+    off), else the preset's, else the server's (`serve --draft`, and `--draft-always`)."""
+    default = config.draft
+    if config.draft_always and not params.draft_always:
+        params = dataclasses.replace(params, draft_always=True)
     if asked is None:
         return params if params.speculative or not default else dataclasses.replace(params, speculative=default)
     if asked is False or asked in ("none", "off"):

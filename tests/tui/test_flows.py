@@ -264,7 +264,7 @@ def test_settings_turn_on_a_draft_model_and_the_status_line_counts_drafts(make_a
 async def _test_settings_turn_on_a_draft_model(make_app: Any, starter: Path) -> None:
     """`localrun tui --draft MODEL` loads the draft model; the settings dialog turns drafting on for
     a conversation, and the status line shows what the last reply drafted and kept."""
-    app = make_app(params=GenerationParams(temperature=0, max_tokens=24),
+    app = make_app(params=GenerationParams(temperature=0, max_tokens=24, draft_always=True),  # tui --draft-always
                    load_options=LoadOptions(n_ctx=1024, draft=str(starter)))
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_starter_chat(pilot)
