@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _answer(session, name, request, params, args, plan)
     finally:
         session.close()
+
+
+def _setter(event: Any) -> Any:
+    """A signal handler that sets event."""
+
+    def handler(signum: int, frame: Any) -> None:
+        event.set()
+
+    return handler
 
 
 def _check_think(model: ModelInfo, engine: str, think: bool | str | None) -> None:
@@ -239,6 +249,10 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         thought = _Thought(args)
         last = None
         stream = api.stream(session, request, params, cancel)
+        # Ctrl-C while a reply streams sets `cancel` instead of raising: an exception can land
+        # anywhere (even where Python drops it, as in a finalizer), a flag is read within 50 ms
+        main = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+        previous = signal.signal(signal.SIGINT, _setter(cancel)) if main else None
         try:
             for chunk in stream:
                 if chunk.done:
@@ -257,6 +271,9 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             sys.stdout.write("\n")
             print("(stopped; this exchange was not kept)", file=err)
             continue
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
         thought.end()
         sys.stdout.write("\n")
         if last is not None and last.finish_reason == "cancelled":
