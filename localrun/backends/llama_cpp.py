@@ -445,23 +445,21 @@ class LlamaCppEngine:
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
-        if params.speculative and grammar is None:  # a grammar's state follows one token at a time
-            if params.speculative == "model" and self.drafter is None and self.options.draft_optional:
-                pass  # a server's draft model that cannot draft for this model: no drafts (info() says why)
-            elif params.speculative == "model":
-                if self.drafter is None:
-                    raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
-                                     + (f" ({self.draft_refused})" if self.draft_refused else ""),
-                                     "load one with --draft MODEL, or use --draft lookup")
-                q.history = list(tokens)
-                # a drafted token costs a draft model's decode: drafting must keep more of them to pay
-                # a draft model's tokens cost a decode each: start with short drafts while acceptance is unknown
-                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min, min_rate=0.6, start=2,
-                                         always=params.draft_always)
+        if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
+            raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
+                             + (f" ({self.draft_refused})" if self.draft_refused else ""),
+                             "load one with --draft MODEL, or use --draft lookup")
+        # A grammar's state follows one token at a time; a server's draft model that cannot draft
+        # for this model (draft_optional) gives no drafts, and info() says why.
+        by_model = params.speculative == "model" and self.drafter is not None
+        if grammar is None and (by_model or params.speculative == "lookup"):
+            if by_model:
+                q.history = list(tokens)  # a draft model's tokens cost a decode each: start with short drafts
             else:
                 q.lookup = PromptLookup(tokens)
-                q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
-                                         always=params.draft_always)
+            q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
+                                     min_rate=0.6 if by_model else 0.3, start=2 if by_model else 4,
+                                     always=params.draft_always)
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
 
@@ -504,14 +502,15 @@ class LlamaCppEngine:
         seqs = self.seqs
         decoding = sum(q is not None and q.last >= 0 for q in seqs)
         spare = self.n_batch - decoding  # batch positions left for drafts
+        model_pays = lookup_pays = False
         if any(q is not None and q.control is not None and not q.control.off for q in seqs):
             self._drafting_steps += 1
             if self._drafting_steps % EXPLORE_EVERY == 0:
                 spare = 0  # a step without drafts now and then: what drafted steps are measured against
-        # Drafts that could not pay even if all were kept (at this many sequences, drafting costs
-        # more than the step it saves) are not made: the sequence drafts again when fewer decode.
-        model_pays = self.drafter is not None and self._min_rate(True, decoding) < 1
-        lookup_pays = self._min_rate(False, decoding) < 1
+            # Drafts that could not pay even if all were kept (at this many sequences, drafting costs
+            # more than the step it saves) are not made: the sequence drafts again when fewer decode.
+            model_pays = self.drafter is not None and self._min_rate(True, decoding) < 1
+            lookup_pays = self._min_rate(False, decoding) < 1
         modelled: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, draft length): the draft model's
         for s, q in enumerate(seqs):
             if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0 \
