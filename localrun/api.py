@@ -203,24 +203,21 @@ def create_preset(name: str, modelfile: str | None = None, *, preset: Preset | N
         if not is_adapter_dir(adapter):
             st.get(adapter)  # a missing adapter is an error now, not at run time
     if preset.draft_model:
-        draft_file(preset.draft_model)  # so is a missing draft model, or one that is not a GGUF
+        draft_file(preset.draft_model)  # so is a missing draft model
     return st.add_preset(name, preset)
 
 
 def draft_file(name: str) -> str:
-    """The GGUF file of a draft model for speculative decoding (`--draft MODEL`).
+    """The file (GGUF, for llama.cpp) or folder (MLX) of a draft model for speculative decoding
+    (`--draft MODEL`); the engine checks at load that it can draft for the model it runs.
 
     Raises:
-        ModelNotFoundError: no such model; UsageError: it is not a GGUF model.
+        ModelNotFoundError: no such model.
     """
     try:
-        info = get_model(name)
+        return get_model(name).path
     except (ModelNotFoundError, BadModelFileError) as e:
         raise type(e)(f"draft model: {e.message}", e.hint) from None
-    if info.format != "gguf":
-        raise UsageError(f"draft model '{info.name}' is {info.format.upper()}, and draft models run as GGUF files "
-                         "on the llama.cpp engine", "pick a GGUF model, or use --draft lookup")
-    return info.path
 
 
 def modelfile(name: str) -> str:

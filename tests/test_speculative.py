@@ -76,6 +76,17 @@ def session() -> object:
     s.close()
 
 
+def test_drafting_starts_only_where_kept_drafts_would_pay_well() -> None:
+    """A step with d drafts, all kept, gives 1 + d tokens for 1 + min_rate x d steps' cost: drafts
+    whose tokens cost nearly what they save (MLX on a CPU: about 0.9) are not made at all."""
+    from localrun.backends.drafting import MIN_GAIN, worth_drafting
+
+    assert worth_drafting(0.3, 8) and worth_drafting(0.6, 8) and not worth_drafting(0.9, 8)
+    assert not worth_drafting(1.0, 8) and not worth_drafting(0.7, 1)  # one drafted token: at most 2 / 1.7 = 1.18x
+    edge = (9 / MIN_GAIN - 1) / 8  # where 1 + 8 drafts gain exactly MIN_GAIN
+    assert worth_drafting(edge - 1e-9, 8) and not worth_drafting(edge + 1e-9, 8)
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "model"])
 def test_greedy_replies_are_the_same_with_and_without_drafts(session: object, drafter: str) -> None:
     for prompt in (REWRITE, PROSE):
@@ -213,7 +224,8 @@ def test_vocabularies_compare_as_llama_cpp_compares_them() -> None:
     base = {"type": 2, "add_bos": False, "bos": 1, "add_eos": False, "eos": 2, "n": 300, "text": words}
     assert vocab_mismatch(base, dict(base)) is None
     assert vocab_mismatch(base, {**base, "bos": 7}) is None  # a BOS that is never added does not matter
-    assert vocab_mismatch({**base, "add_bos": True}, {**base, "add_bos": True, "bos": 7}) is not None
+    assert vocab_mismatch({**base, "add_bos": True}, {**base, "add_bos": True, "bos": 7}) == "its BOS token is 7 and the target's 1"
+    assert vocab_mismatch(base, {**base, "add_bos": True}) == "it adds a BOS token to a prompt and the target does not"
     assert vocab_mismatch(base, {**base, "text": [b"x", *words[1:]]}) is None  # the first 5 are not compared
     assert "token 5 differs" in (vocab_mismatch(base, {**base, "text": [*words[:5], b"x", *words[6:]]}) or "")
     longer = {**base, "n": 428, "text": words + [b"extra"] * 128}

@@ -19,6 +19,16 @@ from dataclasses import dataclass
 NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones are tried when it is not found
 NGRAM_MIN = 2
 WINDOW = 8192  # tokens of history searched (the most recent)
+EXPLORE_EVERY = 8  # while sequences draft, every 8th step drafts nothing (StepCost then sees steps of both sizes)
+MIN_GAIN = 1.2  # drafting starts only where drafts, all kept, would decode this much faster
+
+
+def worth_drafting(min_rate: float, draft_max: int) -> bool:
+    """Whether drafts of draft_max tokens, all kept, would decode MIN_GAIN times as fast as
+    without drafts, when a drafted token costs min_rate of what a kept one saves: a step then
+    gives 1 + draft_max tokens for the cost of 1 + min_rate x draft_max. Where drafts cost nearly
+    what they save (min_rate near 1), the best case gains little and the usual case loses."""
+    return 1 + draft_max >= MIN_GAIN * (1 + min_rate * draft_max)
 
 
 def lookup(history: list[int], n_max: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:

@@ -16,7 +16,13 @@ import warnings
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
-from localrun.backends.drafting import DraftControl, PromptLookup, StepCost
+from localrun.backends.drafting import (
+    EXPLORE_EVERY,
+    DraftControl,
+    PromptLookup,
+    StepCost,
+    worth_drafting,
+)
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.llama_draft import DraftModel, vocab_facts
 from localrun.backends.llama_loader import (
@@ -47,7 +53,6 @@ from localrun.generation import (
 from localrun.store import ModelInfo
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
-EXPLORE_EVERY = 8  # while sequences draft, every 8th step drafts nothing (StepCost then sees steps of both sizes)
 
 
 def system_info() -> dict[str, Any]:
@@ -191,6 +196,9 @@ class LlamaCppEngine:
         assert options.draft is not None
         name = Path(options.draft).name
         try:
+            if Path(options.draft).is_dir():
+                raise UsageError(f"draft model '{name}' is an MLX folder, and on llama.cpp a draft model is a GGUF file",
+                                 "pick a GGUF draft model, or use --draft lookup")
             self.drafter = DraftModel(self.ll, options.draft, name, vocab_facts(self.ll, self.vocab), self.n_ctx,
                                       self.n_slots, self.threads, self.gpu_layers, self.n_batch)
         except UsageError as e:
@@ -502,20 +510,20 @@ class LlamaCppEngine:
         seqs = self.seqs
         decoding = sum(q is not None and q.last >= 0 for q in seqs)
         spare = self.n_batch - decoding  # batch positions left for drafts
-        model_pays = lookup_pays = False
+        model_rate = lookup_rate = 1.0
         if any(q is not None and q.control is not None and not q.control.off for q in seqs):
             self._drafting_steps += 1
             if self._drafting_steps % EXPLORE_EVERY == 0:
                 spare = 0  # a step without drafts now and then: what drafted steps are measured against
-            # Drafts that could not pay even if all were kept (at this many sequences, drafting costs
-            # more than the step it saves) are not made: the sequence drafts again when fewer decode.
-            model_pays = self.drafter is not None and self._min_rate(True, decoding) < 1
-            lookup_pays = self._min_rate(False, decoding) < 1
+            # Drafts that could not pay well even if all were kept (at this many sequences, a drafted
+            # token costs nearly the step share it saves) are not made: the sequence drafts again
+            # when fewer decode (worth_drafting).
+            model_rate = self._min_rate(True, decoding) if self.drafter is not None else 1.0
+            lookup_rate = self._min_rate(False, decoding)
         modelled: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens, draft length): the draft model's
         for s, q in enumerate(seqs):
             if q is not None and q.last >= 0 and q.history is not None and not q.forced and spare > 0 \
-                    and (model_pays or q.control is not None and q.control.always):
-                assert q.control is not None
+                    and q.control is not None and (q.control.always or worth_drafting(model_rate, q.control.draft_max)):
                 want = q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2, spare))
                 if want:
                     modelled[s] = (q.history, want)
@@ -530,7 +538,8 @@ class LlamaCppEngine:
                     continue
                 if q.lookup is not None:
                     fits = min(q.room - 1, self.n_ctx - q.pos - 1, spare)
-                    want = q.control.wanted(fits) if spare > 0 and (lookup_pays or q.control.always) else 0
+                    pays = q.control.always or worth_drafting(lookup_rate, q.control.draft_max)
+                    want = q.control.wanted(fits) if spare > 0 and pays else 0
                     draft = q.lookup.draft(want) if want else []
                     spare -= len(draft)
                 else:

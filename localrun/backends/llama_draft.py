@@ -39,8 +39,11 @@ def vocab_mismatch(target: dict[str, Any], draft: dict[str, Any]) -> str | None:
     if target["type"] != draft["type"]:
         return "its tokenizer is of another type"
     for mark in ("bos", "eos"):
-        if target[f"add_{mark}"] != draft[f"add_{mark}"] or (target[f"add_{mark}"] and target[mark] != draft[mark]):
-            return f"its {mark.upper()} token is used differently (target: {target[mark]}, draft: {draft[mark]})"
+        if target[f"add_{mark}"] != draft[f"add_{mark}"]:
+            return (f"{'it' if draft[f'add_{mark}'] else 'the target'} adds a {mark.upper()} token to a prompt "
+                    f"and {'the target' if draft[f'add_{mark}'] else 'it'} does not")
+        if target[f"add_{mark}"] and target[mark] != draft[mark]:
+            return f"its {mark.upper()} token is {draft[mark]} and the target's {target[mark]}"
     if abs(target["n"] - draft["n"]) > VOCAB_MAX_SIZE_DIFFERENCE:
         return f"its vocabulary has {draft['n']} tokens and the target's {target['n']}"
     for i in range(VOCAB_CHECK_START, min(target["n"], draft["n"])):

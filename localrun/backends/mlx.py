@@ -9,12 +9,21 @@ engine worker process.
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
+from localrun.backends.drafting import (
+    EXPLORE_EVERY,
+    DraftControl,
+    PromptLookup,
+    StepCost,
+    worth_drafting,
+)
 from localrun.backends.grammar import Grammars, GrammarState
+from localrun.backends.mlx_speculative import PREFILL_STEP, MLXDraftModel, SpecSeq
 from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.constraint import import_llguidance
 from localrun.errors import (
@@ -28,7 +37,7 @@ from localrun.generation import GenerationParams, LoadOptions, Request, TokenLog
 from localrun.store import ModelInfo
 
 INSTALL_HINT = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
-ABILITIES = Abilities(load_adapters=True, structured_output=True)
+ABILITIES = Abilities(load_adapters=True, structured_output=True, drafting=True)
 
 
 def mlx_installed() -> bool:
@@ -107,9 +116,6 @@ class MLXBackend:
                 "drop --kv-type, or run a GGUF copy of the model on llama.cpp "
                 f"('localrun convert {model.path}' makes one from a Hugging Face checkpoint)",
             )
-        if options.draft and not options.draft_optional:
-            raise UsageError(f"--draft MODEL: draft models run on the llama.cpp engine, and '{model.name}' runs on MLX",
-                             "run a GGUF copy of the model on llama.cpp, or drop --draft")
         return MLXEngine(model, options)
 
     def system_info(self) -> dict[str, Any]:
@@ -328,6 +334,23 @@ class MLXEngine:
         self.reasoning = detect(self.template, lambda t: self.special_id(t) is not None)
         self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
                                  lambda t: str(self.tokenizer.decode([t])))
+        self.spec: dict[int, SpecSeq] = {}  # slot -> a sequence that drafts, beside the generator
+        self.spec_counts: list[tuple[int, int]] = [(0, 0)] * self.n_slots  # drafted and kept, of one moved to it
+        self.drafter: MLXDraftModel | None = None  # speculative decoding's draft model (--draft MODEL), if loaded
+        self.draft_refused: str | None = None  # why the draft model asked for does not draft (draft_optional)
+        self._cost = StepCost()  # what a drafting sequence's forward pass costs, to weigh drafts against
+        self._drafting_steps = 0
+        self._gen_step = 0.0  # a generator step's time with one sequence decoding (a recent average)
+        self._gen_uid: int | None = None  # the sequence of the last such step
+        self.options = options
+        if options.draft:
+            try:
+                self.drafter = MLXDraftModel(options.draft, Path(options.draft).name, self.tokenizer, self.n_slots)
+            except (UsageError, BadModelFileError) as e:
+                if not options.draft_optional:
+                    self.close()
+                    raise
+                self.draft_refused = e.message
 
     def _apply_lora(self) -> None:
         """Convert the PEFT adapters to one mlx-lm adapter (cached) and apply it with mlx-lm's loader."""
@@ -397,6 +420,10 @@ class MLXEngine:
         }
         if self.lora:
             out["lora"] = [{"path": path, "scale": scale} for path, scale in self.lora]
+        if self.drafter is not None:
+            out["draft_model"] = self.drafter.name
+        if self.draft_refused:
+            out["draft_refused"] = self.draft_refused
         return out
 
     # -- text <-> tokens ----------------------------------------------------------------------
@@ -483,14 +510,38 @@ class MLXEngine:
             queued = []
             processors.append(forcing(mx, queued))
         self.forced[slot] = queued
-        (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
-                                 caches=[cache] if cache is not None else None,
-                                 samplers=[make_sampler(mx, params, self.vocab_size)],
-                                 logits_processors=[processors])
-        self.uids[uid] = slot
-        self.slot_uid[slot] = uid
         self.logprobs[slot] = params.logprobs
         self.grammar[slot] = grammar
+        self.spec_counts[slot] = (0, 0)
+        sampler = make_sampler(mx, params, self.vocab_size)
+        if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
+            raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
+                             + (f" ({self.draft_refused})" if self.draft_refused else ""),
+                             "load one with --draft MODEL, or use --draft lookup")
+        # A grammar's state follows one token at a time; a server's draft model that cannot draft
+        # for this model (draft_optional) gives no drafts, and info() says why.
+        by_model = params.speculative == "model" and self.drafter is not None
+        # A sequence that could not draft on (see _spec_step) starts in the generator.
+        drafts = grammar is None and (by_model or params.speculative == "lookup") and (params.draft_always or (
+            not self.uids and not self.spec and worth_drafting(self._min_rate(by_model), params.draft_max)))
+        if drafts:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = cache if cache is not None else make_prompt_cache(self.model)
+            if can_trim_prompt_cache(cache):  # a memory that cannot be cut back to the kept drafts does not draft
+                control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
+                                       min_rate=0.6 if by_model else 0.3, start=2 if by_model else 4,
+                                       always=params.draft_always)
+                self.spec[slot] = SpecSeq(tokens, cache, sampler, processors, params.logprobs, control,
+                                          params.budget(self.n_ctx, len(tokens)), tokens[keep:-1], keep, keep,
+                                          lookup=None if by_model else PromptLookup(tokens),
+                                          history=list(tokens) if by_model else None)
+                return keep
+        (uid,) = self.gen.insert([tokens[keep:]], max_tokens=[self.n_ctx - len(tokens)],
+                                 caches=[cache] if cache is not None else None,
+                                 samplers=[sampler], logits_processors=[processors])
+        self.uids[uid] = slot
+        self.slot_uid[slot] = uid
         return keep
 
     def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
@@ -503,8 +554,19 @@ class MLXEngine:
         raise EngineError("the MLX engine cannot share a prefill between slots")
 
     def step(self) -> list[Sampled]:
-        out = []
-        for r in self.gen.next_generated():
+        out = self._spec_step() if self.spec else []
+        if not self.uids:
+            return out
+        t0 = time.perf_counter()
+        generated = self.gen.next_generated()
+        # What a kept draft saves: a step of one sequence that generated in the step before too
+        # (the first step of a sequence evaluates its prompt).
+        uid = generated[0].uid if len(self.uids) == 1 and len(generated) == 1 else None
+        if uid is not None and uid == self._gen_uid:
+            took = time.perf_counter() - t0
+            self._gen_step = 0.9 * self._gen_step + 0.1 * took if self._gen_step else took
+        self._gen_uid = uid
+        for r in generated:
             slot = self.uids.get(r.uid)
             if slot is None:
                 continue  # a sequence removed while its token was in flight
@@ -513,7 +575,106 @@ class MLXEngine:
                                g is not None and g.breaks(tok, self.is_eog(tok))))
         return out
 
+    def drafts(self, slot: int) -> tuple[int, int]:
+        """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
+        q = self.spec.get(slot)
+        return (q.control.drafted, q.control.accepted) if q is not None else self.spec_counts[slot]
+
+    def _spec_step(self) -> list[Sampled]:
+        """One forward pass for each drafting sequence: its next token and its drafts (mlx_speculative)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        mx = self.mx
+        out: list[Sampled] = []
+        decoding = len(self.uids) + sum(q.last >= 0 for q in self.spec.values())
+        for slot, q in list(self.spec.items()):
+            if q.last < 0:  # the prompt, a chunk per step, all but its last token (evaluated with the drafts)
+                end = min(len(q.tokens) - 1, q.todo + PREFILL_STEP)
+                if end > q.todo:
+                    self.model(mx.array(q.tokens[q.todo:end])[None], cache=q.cache)
+                    mx.eval([c.state for c in q.cache])
+                    q.todo = q.pos = end
+                if end < len(q.tokens) - 1:
+                    continue
+                q.last = q.tokens[-1]
+            # A sequence goes on in the generator (batched, pipelined) when its drafting stops, when
+            # other sequences decode, or when drafts could not pay even if all were kept (on a CPU a
+            # pass costs about as much per token as it evaluates: they never pay there).
+            q.control.min_rate = self._min_rate(q.history is not None)
+            if not q.control.always and (q.control.off or decoding > 1
+                                         or not worth_drafting(q.control.min_rate, q.control.draft_max)):
+                self._to_generator(slot, q)
+                continue
+            self._drafting_steps += 1  # a pass without drafts now and then keeps the measure of both sizes
+            explore = self._drafting_steps % EXPLORE_EVERY == 0 and not q.control.always
+            want = 0 if explore else q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2))
+            draft: list[int] = []
+            if want and q.lookup is not None:
+                draft = q.lookup.draft(want)
+            elif want and q.history is not None and self.drafter is not None:
+                draft = self.drafter.draft(slot, q.history, want)
+            if len(draft) < q.control.draft_min:
+                draft = []
+            inputs = [q.last, *draft]
+            t0 = time.perf_counter()
+            logits = self.model(mx.array(inputs)[None], cache=q.cache)[0]
+            if q.processors:  # each position sees the tokens before it, drafts included
+                rows = []
+                for i in range(len(inputs)):
+                    row, context = logits[i:i + 1], mx.array(q.seen + inputs[:i + 1])
+                    for process in q.processors:
+                        row = process(context, row)
+                    rows.append(row)
+                logits = mx.concatenate(rows, axis=0)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = [int(t) for t in q.sampler(logprobs).tolist()]
+            self._cost.record(len(inputs), time.perf_counter() - t0)
+            # each position is sampled as without drafts; a draft stands while the sample equals it
+            accepted = 0
+            while accepted < len(draft) and sampled[accepted] == draft[accepted] and not self.is_eog(sampled[accepted]):
+                accepted += 1
+            kept = sampled[:accepted + 1]
+            trim_prompt_cache(q.cache, len(draft) - accepted)
+            q.seen.extend(inputs[:accepted + 1])
+            q.pos += accepted + 1
+            for i, tok in enumerate(kept):
+                out.append(Sampled(slot, tok, self._logprob(logprobs[i], tok, q.logprobs) if q.logprobs is not None else None))
+            if draft:
+                q.control.record(len(draft), accepted)
+            if q.lookup is not None:
+                q.lookup.extend(kept)
+            elif q.history is not None:
+                q.history.extend(kept)
+            q.room -= len(kept)
+            q.last = kept[-1]
+        return out
+
+    def _min_rate(self, model: bool) -> float:
+        """The share of its drafted tokens a sequence must keep for drafting (with the draft model,
+        or by lookup) to pay. It is verified alone, in a pass of its own (StepCost): a drafted token
+        costs that pass's time per position, plus the draft model's time for it, and a kept one
+        saves a step of the generator (or, before one is measured, of such a pass)."""
+        d = self.drafter
+        per_token = d.seconds / d.drafted if model and d is not None and d.drafted else 0.0
+        fitted = self._cost.fit()
+        if fitted is None or not self._gen_step:
+            return self._cost.min_rate(1, per_token, 0.6 if model else 0.3)
+        return (fitted[1] + per_token) / self._gen_step
+
+    def _to_generator(self, slot: int, q: SpecSeq) -> None:
+        """A sequence that stops drafting goes on in the generator, with its KV cache."""
+        del self.spec[slot]
+        self.spec_counts[slot] = (q.control.drafted, q.control.accepted)
+        (uid,) = self.gen.insert([[q.last]], max_tokens=[max(1, self.n_ctx - q.pos - 1)], caches=[q.cache],
+                                 all_tokens=[q.seen], samplers=[q.sampler], logits_processors=[q.processors])
+        self.uids[uid] = slot
+        self.slot_uid[slot] = uid
+
     def finish(self, slot: int) -> int:
+        q = self.spec.pop(slot, None)
+        if q is not None:
+            self.saved[slot] = q.cache
+            return q.pos
         uid = self.slot_uid[slot]
         if uid is None:
             return 0
@@ -539,6 +700,10 @@ class MLXEngine:
                          "use a GGUF embedding model (it runs on llama.cpp)")
 
     def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
+        self.spec = {}
         self.gen.close()
         self.saved = [None] * self.n_slots
         self.model = None

@@ -114,6 +114,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     return Models(Variant(plain_gguf, plain_hf, plain_mlx, int(tok.eos_token_id)), Variant(chat_gguf, chat_hf, chat_mlx, dot))
 
 
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The SmolLM2 starter's trained weights exported to Hugging Face layout by transformers ("hf")
+    and converted by mlx-lm's converter, which 'localrun convert --to mlx' runs ("mlx")."""
+    from ..conftest import starter_or_fail
+
+    root = tmp_path_factory.mktemp("smol")
+    hf = export_hf(starter_or_fail(), root / "hf")
+    return {"hf": hf, "mlx": mlx_lm_convert(hf, root / "smol-mlx")}
+
+
 def load(path: Path, engine: str | None = None, n_ctx: int = N_CTX) -> Any:
     """A worker session for a model path (the store lookup is kept out of the user's data dir)."""
     info = Store(path.parent / ".store").get(str(path))

@@ -21,9 +21,8 @@ from localrun.errors import BackendUnavailableError
 from localrun.generation import GenerationParams, LoadOptions, Request
 from localrun.store import Store
 
-from ..conftest import starter_or_fail
 from ..server.conftest import serve
-from .conftest import collect, export_hf, mlx_lm_convert
+from .conftest import collect, mlx_lm_convert
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
 ASK = "Describe Paris"
@@ -46,16 +45,13 @@ def as_transformers_457(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def ways(smol: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """way -> the starter as an MLX folder."""
-    gguf = starter_or_fail()
-    root = tmp_path_factory.mktemp("smol-mlx")
-    hf5 = export_hf(gguf, root / "hf-5")
-    hf4 = root / "hf-4.57"
-    shutil.copytree(hf5, hf4)
+    hf4 = tmp_path_factory.mktemp("smol-4.57") / "hf-4.57"
+    shutil.copytree(smol["hf"], hf4)
     as_transformers_457(hf4)
     # mlx-lm's converter, which 'localrun convert --to mlx' runs: it saves the tokenizer through transformers
-    out = {way: mlx_lm_convert(hf, root / f"mlx-{way}") for way, hf in zip(WAYS, (hf5, hf4), strict=True)}
+    out = {WAYS[0]: smol["mlx"], WAYS[1]: mlx_lm_convert(hf4, hf4.parent / "mlx-transformers-4.57")}
     # the 4.57 form survives the conversion: it is what the engine reads
     tj = json.loads((out["transformers-4.57"] / "tokenizer.json").read_text(encoding="utf-8"))
     assert tj["decoder"]["type"] == "Sequence" and tj["normalizer"] == {"type": "Sequence", "normalizers": []}
@@ -63,9 +59,9 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def sessions(smol: dict[str, Path]) -> Iterator[dict[str, Any]]:
+def sessions(ways: dict[str, Path]) -> Iterator[dict[str, Any]]:
     opened = {way: api.load(Store(path.parent / ".store").get(str(path)), LoadOptions(n_ctx=512), engine="mlx")
-              for way, path in smol.items()}
+              for way, path in ways.items()}
     yield opened
     for s in opened.values():
         s.close()
@@ -90,9 +86,9 @@ def test_both_exports_answer_alike(sessions: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_server_response_format_validates(smol: dict[str, Path], way: str) -> None:
+def test_server_response_format_validates(ways: dict[str, Path], way: str) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
-    name = api.add_model(smol[way], name="smol-mlx:135m").name  # in this test's own home
+    name = api.add_model(ways[way], name="smol-mlx:135m").name  # in this test's own home
     with serve(LoadOptions(n_ctx=512, n_parallel=1)) as served:
         client = served.openai()
         for temperature, seed in ((0.0, 0), (0.8, 5)):
@@ -103,13 +99,13 @@ def test_server_response_format_validates(smol: dict[str, Path], way: str) -> No
             assert reply.choices[0].finish_reason == "stop"
 
 
-def test_grammar_engine_that_reads_the_tokenizer_differently_is_refused(smol: dict[str, Path], tmp_path: Path) -> None:
+def test_grammar_engine_that_reads_the_tokenizer_differently_is_refused(ways: dict[str, Path], tmp_path: Path) -> None:
     """A vocabulary whose decoder the grammar engine reads one way and the model another (here a
     byte-level vocabulary given a SentencePiece decoder only): structured output is refused with
     the model's name and the first token that differs, before any token is generated; plain
     replies still run."""
     folder = tmp_path / "odd"
-    shutil.copytree(smol["transformers-5"], folder)
+    shutil.copytree(ways["transformers-5"], folder)
     path = folder / "tokenizer.json"
     tj = json.loads(path.read_text(encoding="utf-8"))
     tj["decoder"] = {"type": "Sequence", "decoders": [
