@@ -66,7 +66,8 @@ def get_model(name_or_path: str) -> ModelInfo:
 
 
 def add_model(path: str | os.PathLike[str], name: str | None = None, replace: bool = False,
-              converted_from: str | os.PathLike[str] | None = None) -> ModelInfo:
+              converted_from: str | os.PathLike[str] | None = None,
+              mmproj: str | os.PathLike[str] | None = None) -> ModelInfo:
     """Register an existing model file or folder in place (no copy).
 
     Args:
@@ -75,13 +76,30 @@ def add_model(path: str | os.PathLike[str], name: str | None = None, replace: bo
         replace: allow replacing an existing registration of the same name.
         converted_from: the checkpoint folder it was converted from (adapters of that
             checkpoint then find it as their base).
+        mmproj: a vision model's projector (an mmproj GGUF), kept with the model.
 
     Raises:
-        BadModelFileError: the file is not a valid model.
+        BadModelFileError: the file is not a valid model, or mmproj is not a projector.
         UsageError: the name is invalid or taken.
     """
-    extra = {"converted_from": os.path.abspath(converted_from)} if converted_from else None
-    return store().add(path, name=name, replace=replace, extra=extra)
+    extra: dict[str, Any] = {"converted_from": os.path.abspath(converted_from)} if converted_from else {}
+    if mmproj is not None:
+        extra["mmproj"] = check_projector(mmproj)
+    return store().add(path, name=name, replace=replace, extra=extra or None)
+
+
+def check_projector(path: str | os.PathLike[str]) -> str:
+    """The absolute path of a vision projector file, checked to be one (a GGUF of architecture clip)."""
+    from localrun.gguf_header import read_gguf
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"projector '{path}': no such file", "give the path of an mmproj GGUF file")
+    meta = read_gguf(p, whole_model=False)  # a projector has tensors and metadata, no vocabulary
+    if meta.architecture != "clip" or not meta.metadata.get("clip.has_vision_encoder", True):
+        raise BadModelFileError(f"'{p.name}' is not a vision projector (its architecture is {meta.architecture})",
+                                "a projector is the mmproj-*.gguf file published beside a vision model")
+    return str(p.resolve())
 
 
 def import_models(source: str, path: str | os.PathLike[str] | None = None, dry_run: bool = False) -> ImportResult:
@@ -379,15 +397,17 @@ def default_context(model: ModelInfo, options: LoadOptions | None = None) -> Con
     return context_for(model, options or LoadOptions())
 
 
-def build_messages(prompt: str, system: str | None = None, history: list[dict[str, str]] | None = None) -> Request:
-    """A chat request from an optional system prompt, earlier turns and the new user prompt."""
-    if not prompt and not history:
+def build_messages(prompt: str, system: str | None = None, history: list[dict[str, Any]] | None = None,
+                   images: Sequence[bytes] = ()) -> Request:
+    """A chat request from an optional system prompt, earlier turns and the new user prompt (with
+    its images: image files' bytes, see localrun.images.read_file)."""
+    if not prompt and not history and not images:
         raise UsageError("the prompt is empty", "pass a prompt, or '-' to read it from stdin")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
     messages.extend(history or [])
-    messages.append({"role": "user", "content": prompt})
+    messages.append({"role": "user", "content": prompt, **({"images": list(images)} if images else {})})
     return Request.chat(messages)
 
 

@@ -28,7 +28,7 @@ from localrun.system import disk_full
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "thinking", "finish_reason", "prompt_tokens", "completion_tokens", "thinking_tokens",
                "error")
-ROW_KEYS = ("id", "prompt", "messages", "system", "think")
+ROW_KEYS = ("id", "prompt", "messages", "system", "think", "images")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
 # Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
 SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special", "lora"))
@@ -88,21 +88,53 @@ def key(row_id: Any) -> str:
 
 
 def _request(prompt: str | None, messages: Any, system: str | None, raw: bool,
-             think: bool | str | None = None) -> Request:
+             think: bool | str | None = None, images: Any = None, base: Path | None = None) -> Request:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise UsageError("'prompt' must be a string")
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         if raw:
+            if images:
+                raise UsageError("'images' need the chat template", "drop --raw")
             return Request.raw(prompt, system)
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        user: dict[str, Any] = {"role": "user", "content": prompt}
+        if images is not None:
+            user["images"] = _images(images, base, "'images'")
+        msgs = ([{"role": "system", "content": system}] if system else []) + [user]
         return Request.chat(msgs, think=think)
+    if images is not None:
+        raise UsageError("a row's 'images' go with its 'prompt'; in 'messages', give each message its own 'images'")
     if not isinstance(messages, list) or not messages:
         raise UsageError("'messages' must be a non-empty list of {role, content}")
+    messages = [{**m, "images": _images(m["images"], base, f"message {i}: 'images'")}
+                if isinstance(m, dict) and m.get("images") is not None else m for i, m in enumerate(messages)]
     if system and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": system}, *messages]
     return Request.chat(messages, think=think)
+
+
+def _images(value: Any, base: Path | None, what: str) -> list[bytes]:
+    """A row's images: file paths (relative to the input file's folder), data URIs, or base64."""
+    from localrun import images
+
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{what} must be a list of image paths or data URIs")
+    out = []
+    for j, v in enumerate(value, 1):
+        if v.startswith("data:"):
+            out.append(images.from_base64(v, f"image {j}"))
+            continue
+        path = Path(v).expanduser()
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        if path.is_file():
+            out.append(images.read_file(path, f"image {j} ({v})"))
+        elif len(v) > 256 and "/" not in v[:64] and "." not in v[-8:]:  # long and not a file name: base64
+            out.append(images.from_base64(v, f"image {j}"))
+        else:
+            raise UsageError(f"image {j}: no such file: {path}", "paths are relative to the input file")
+    return out
 
 
 def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationParams | None:
@@ -138,7 +170,7 @@ _ID_IN_BROKEN_JSON = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
 
 
 def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, system: str | None = None,
-              raw: bool = False, think: bool | str | None = None) -> BatchRow:
+              raw: bool = False, think: bool | str | None = None, base: Path | None = None) -> BatchRow:
     """Validate one JSON row; a row that cannot run gets an error instead of a request."""
     defaults = defaults or GenerationParams()
     if not isinstance(data, dict):
@@ -154,7 +186,8 @@ def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, sy
     try:
         if row_system is not None and not isinstance(row_system, str):
             raise UsageError("'system' must be a string")
-        request = _request(data.get("prompt"), data.get("messages"), row_system, raw, data.get("think", think))
+        request = _request(data.get("prompt"), data.get("messages"), row_system, raw, data.get("think", think),
+                           data.get("images"), base)
         params = _settings(data, defaults)
     except LocalrunError as e:
         return BatchRow(row_id, line, error=f"line {line}: {e}")
@@ -169,7 +202,7 @@ def refuse_thinking(rows: list[BatchRow], model: str) -> list[BatchRow]:
 
 
 def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, system: str | None = None,
-                raw: bool = False, think: bool | str | None = None) -> list[BatchRow]:
+                raw: bool = False, think: bool | str | None = None, base: Path | None = None) -> list[BatchRow]:
     """Rows from JSONL or text lines (blank lines skipped; text ids are 1-based line numbers)."""
     rows: list[BatchRow] = []
     for n, line in enumerate(lines, 1):
@@ -189,7 +222,7 @@ def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, syst
                 row_id = n
             rows.append(BatchRow(row_id, n, error=f"line {n}: invalid JSON ({e.msg} at column {e.colno})"))
             continue
-        rows.append(parse_row(data, n, defaults, system, raw, think))
+        rows.append(parse_row(data, n, defaults, system, raw, think, base))
     seen: dict[str, int] = {}
     for r in rows:
         if r.request is None:
@@ -222,7 +255,8 @@ def read_input(path: str, defaults: GenerationParams, system: str | None = None,
         raise UsageError(f"cannot read input file '{path}': {e}") from e
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
-    rows = parse_lines(lines, input_format(path, first), defaults, system, raw, think)
+    base = Path.cwd() if path == "-" else Path(path).resolve().parent  # where rows' image paths start
+    rows = parse_lines(lines, input_format(path, first), defaults, system, raw, think, base)
     if not rows:
         raise UsageError(f"input file '{path}' has no rows", "write one JSON object or one prompt per line")
     return rows
@@ -260,7 +294,7 @@ def sequence_length(rows: list[BatchRow], params: GenerationParams, limit: int) 
         if r.request is None:
             continue
         budget = (r.params or params).max_tokens
-        if budget is None:
+        if budget is None or r.request.images:  # an image takes as many positions as its model gives it
             return limit
         text = r.request.prompt if r.request.prompt is not None else "".join(m.content for m in r.request.messages)
         text += json.dumps(list(r.request.tools)) if r.request.tools else ""

@@ -93,12 +93,19 @@ def _thinking(model: ModelInfo, abilities: Abilities | None) -> bool:
     return not embeds_only(model) and reasoning_format(model) is not None
 
 
+def _vision(model: ModelInfo, abilities: Abilities | None) -> bool:
+    # A projector recorded with the model (and there), on an engine that reads images.
+    mmproj = model.details.get("mmproj")
+    return bool(abilities and abilities.images and mmproj and os.path.isfile(mmproj))
+
+
 RULES: tuple[tuple[str, Callable[[ModelInfo, Abilities | None], bool]], ...] = (
     ("completion", _completion),
     ("tools", _tools),
     ("insert", _insert),
     ("embedding", _embedding),
     ("thinking", _thinking),
+    ("vision", _vision),
 )
 
 

@@ -35,6 +35,7 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     thinking: str = ""
+    images: tuple[bytes, ...] = field(default=(), hash=False, repr=False)  # image files' bytes, shown before the text
 
     def to_dict(self, thinking_as: str | None = "thinking") -> dict[str, Any]:
         """The message as a dict; its thought under `thinking_as` (None: left out)."""
@@ -94,8 +95,30 @@ def parse_messages(raw: Any) -> list[Message]:
         calls = tuple(_tool_call(i, j, c) for j, c in enumerate(raw_calls))
         call_id, name = m.get("tool_call_id"), m.get("name") or m.get("tool_name")
         out.append(Message(str(role), content, calls, None if call_id is None else str(call_id),
-                           None if name is None else str(name), _thinking(i, m)))
+                           None if name is None else str(name), _thinking(i, m), _images(i, m.get("images"))))
     return out
+
+
+def _images(i: int, raw: Any) -> tuple[bytes, ...]:
+    """A message's images: bytes, or base64 text / data URIs (Ollama's `images`), each checked."""
+    from localrun import images
+
+    if raw is None:
+        return ()
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
+        raise UsageError(f"message {i}: images must be a list of base64-encoded images")
+    out = []
+    for j, item in enumerate(raw):
+        what = f"message {i}: image {j + 1}"
+        if isinstance(item, (bytes, bytearray)):
+            data = bytes(item)
+        elif isinstance(item, str):
+            data = images.from_base64(item, what)
+        else:
+            raise UsageError(f"{what} must be base64 text")
+        images.facts(data, what)
+        out.append(data)
+    return tuple(out)
 
 
 def _thinking(i: int, m: Mapping[str, Any]) -> str:

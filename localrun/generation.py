@@ -157,6 +157,8 @@ class LoadOptions:
     # a draft whose vocabulary does not match is refused, or with draft_optional dropped with a note
     draft: str | None = None
     draft_optional: bool = False
+    # A vision model's projector (mmproj GGUF) when it is not recorded with the model in the store
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.n_ctx is None or 16 <= self.n_ctx <= 1 << 22, "--ctx", self.n_ctx, "an integer of at least 16")
@@ -192,6 +194,11 @@ class Request:
     template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # a client's chat_template_kwargs
     template: str | None = None  # a Jinja chat template used instead of the model's own (a preset's TEMPLATE)
 
+    @property
+    def images(self) -> int:
+        """How many images the messages carry."""
+        return sum(len(m.images) for m in self.messages)
+
     def __post_init__(self) -> None:
         if (self.prompt is None) == (not self.messages):
             raise UsageError("a request needs either messages or a raw prompt")
@@ -217,7 +224,11 @@ class Request:
         return {"tools": [dict(t) for t in self.tools]} if self.tools else {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"messages": [m.to_dict() for m in self.messages], "prompt": self.prompt, "tools": list(self.tools),
+        from localrun.images import to_base64
+
+        messages = [m.to_dict() | ({"images": [to_base64(b) for b in m.images]} if m.images else {})
+                    for m in self.messages]
+        return {"messages": messages, "prompt": self.prompt, "tools": list(self.tools),
                 "think": self.think, "template_kwargs": dict(self.template_kwargs), "template": self.template}
 
     @classmethod
@@ -265,6 +276,7 @@ class Chunk:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     drafted_tokens: int = 0  # on the last chunk: tokens speculative decoding drafted for the reply
     accepted_tokens: int = 0  # of those, the ones the model kept
+    images_encoded: int = 0  # on the last chunk: images the prompt's evaluation encoded (cached ones are not)
 
     @classmethod
     def final(cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, t_start: float,

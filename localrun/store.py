@@ -538,7 +538,8 @@ class Store:
             quantization=base.quantization,
             context_length=base.context_length,
             details={**base.details, **({"adapter": entry["adapter"]} if entry and entry.get("adapter") else {}),
-                     **({"preset": entry["preset"]} if entry and entry.get("preset") else {})},
+                     **({"preset": entry["preset"]} if entry and entry.get("preset") else {}),
+                     **({"mmproj": entry["mmproj"]} if entry and entry.get("mmproj") else {})},
             kind="preset" if entry and entry.get("kind") == "preset" else base.kind,
             base=(str(entry["preset"]["base"]) if entry and entry.get("kind") == "preset"
                   else self._base_of(entry) if base.kind == "adapter" else None),

@@ -114,7 +114,7 @@ def test_doctor(cli) -> None:
     assert report["ram_total_bytes"] > 0 and report["packages"]["llama-cpp-python"]
     # What each engine can do, as its class declares it (the CLI's choices and messages read the same).
     assert report["engines"]["llama.cpp"]["abilities"] == ["request adapters", "expert offload", "embeddings",
-                                                           "drafting", "structured output"]
+                                                           "images", "drafting", "structured output"]
     text = cli("doctor").stdout
     assert "gpu offload" in text and "abilities   request adapters, expert offload, embeddings" in text
 

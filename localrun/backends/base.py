@@ -179,6 +179,12 @@ class Engine(Protocol):
         and how many of them the model kept; a step then gives several Sampled for the slot, in order."""
         ...
 
+    def images_encoded(self, slot: int) -> int:
+        """Images (abilities.images): how many the slot's prompt evaluation encoded. An engine that
+        reads images gives each image's positions in the prompt as negative placeholder tokens
+        (the same image, the same placeholders), so that prefix matching finds images in caches."""
+        ...
+
     def detokenizer(self, special: bool = False) -> Detokenizer:
         """A fresh incremental detokenizer for one reply (special: control tokens as text too)."""
         ...

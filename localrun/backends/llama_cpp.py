@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import dataclasses
+import os
 import time
 import warnings
 from typing import Any
@@ -35,11 +37,13 @@ from localrun.backends.llama_loader import (
     load_model,
     new_context,
 )
+from localrun.backends.llama_vision import Vision, image_start
 from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.errors import (
     BadModelFileError,
     ContextOverflowError,
     EngineError,
+    LocalrunError,
     UsageError,
 )
 from localrun.fit import Shape, context_for, kv_cache_bytes
@@ -70,7 +74,7 @@ def system_info() -> dict[str, Any]:
 
 
 ABILITIES = Abilities(request_adapters=True, expert_offload=True, embeddings=True, structured_output=True,
-                      drafting=True)
+                      drafting=True, images=True)
 
 
 class LlamaCppBackend:
@@ -107,7 +111,7 @@ class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
     __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced", "lookup", "control",
-                 "room", "history")
+                 "room", "history", "images")
 
     def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
                  grammar: GrammarState | None) -> None:
@@ -123,6 +127,7 @@ class _Seq:
         self.control: DraftControl | None = None
         self.room = 0  # tokens the reply may still have (its budget)
         self.history: list[int] | None = None  # a draft model's: the prompt and the reply so far
+        self.images = 0  # images its prompt evaluation encoded (those in the KV cache are not)
 
 
 class LlamaCppEngine:
@@ -189,6 +194,21 @@ class LlamaCppEngine:
         self._drafting_steps = 0
         if options.draft:
             self._load_drafter(options)
+        self.vision: Vision | None = None  # the projector that reads images, for a vision model
+        self.vision_missing: str | None = None  # a recorded projector that is not there (runs as text)
+        mmproj = options.mmproj or model.details.get("mmproj")
+        if mmproj:
+            if os.path.isfile(mmproj):
+                try:
+                    self.vision = Vision(mmproj, self.model, self.threads, self.gpu_layers != 0)
+                except LocalrunError:
+                    self.close()
+                    raise
+            elif options.mmproj:
+                self.close()
+                raise UsageError(f"vision projector '{mmproj}': no such file", "give the path of an mmproj GGUF file")
+            else:
+                self.vision_missing = f"its vision projector '{mmproj}' is missing: it reads no images"
 
     def _load_drafter(self, options: LoadOptions) -> None:
         from pathlib import Path
@@ -323,6 +343,8 @@ class LlamaCppEngine:
             "chat_template": self._template is not None,
             **({"draft_model": self.drafter.name} if self.drafter is not None else {}),
             **({"draft_refused": self.draft_refused} if self.draft_refused else {}),
+            **({"mmproj": self.vision.path, "images_encoded": self.vision.encoded} if self.vision is not None else {}),
+            **({"warning": self.vision_missing} if self.vision_missing else {}),
         }
 
     # -- text <-> tokens ------------------------------------------------------------------
@@ -371,7 +393,21 @@ class LlamaCppEngine:
         return buf.value.decode("utf-8", errors="replace")
 
     def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
-        """Render the request (chat template or raw) and tokenize it."""
+        """Render the request (chat template or raw) and tokenize it (images as placeholders)."""
+        images = [data for m in request.messages for data in m.images]
+        if images:
+            if self.vision is None:
+                raise UsageError(f"'{self.model_info.name}' does not support images"
+                                 + (f" ({self.vision_missing})" if self.vision_missing else ""),
+                                 "send text only, or load a vision model with its projector (--mmproj FILE)")
+            mark = self.vision.marker
+            if any(mark in m.content for m in request.messages):
+                raise UsageError(f"a message contains '{mark}', which marks an image on this model",
+                                 "remove it from the text")
+            # Each image goes before its message's text, as Ollama and llama-server place them.
+            request = dataclasses.replace(request, messages=tuple(
+                dataclasses.replace(m, content=mark * len(m.images) + m.content, images=()) if m.images else m
+                for m in request.messages))
         if request.prompt is not None:
             tokens = self.tokenize(request.prompt, add_special=True, parse_special=False)
             return tokens or [self.bos]
@@ -384,6 +420,9 @@ class LlamaCppEngine:
             stops.extend(PLAIN_STOPS)
         # A template that writes the BOS itself must not get a second one.
         add_special = self.add_bos and not (bos_text and text.startswith(bos_text))
+        if images:
+            assert self.vision is not None
+            return self.vision.tokenize(text, images, add_special)
         return self.tokenize(text, add_special=add_special, parse_special=True) or [self.bos]
 
     def text_tokens(self, text: str) -> list[int]:
@@ -451,6 +490,7 @@ class LlamaCppEngine:
             if self.drafter is not None:
                 self.drafter.copy(source, slot)
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
+        keep = image_start(tokens, keep)  # an image is evaluated whole
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
         if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
@@ -460,7 +500,8 @@ class LlamaCppEngine:
         # A grammar's state follows one token at a time; a server's draft model that cannot draft
         # for this model (draft_optional) gives no drafts, and info() says why.
         by_model = params.speculative == "model" and self.drafter is not None
-        if grammar is None and (by_model or params.speculative == "lookup"):
+        has_images = bool(tokens) and min(tokens) < 0  # drafters read tokens, not images
+        if grammar is None and not has_images and (by_model or params.speculative == "lookup"):
             if by_model:
                 q.history = list(tokens)  # a draft model's tokens cost a decode each: start with short drafts
             else:
@@ -497,11 +538,33 @@ class LlamaCppEngine:
         q = self.seqs[slot]
         return (q.control.drafted, q.control.accepted) if q is not None and q.control is not None else (0, 0)
 
+    def images_encoded(self, slot: int) -> int:
+        """Images the slot's prompt evaluation encoded (not those found in the KV cache)."""
+        q = self.seqs[slot]
+        return q.images if q is not None else 0
+
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
         self.ll.llama_memory_seq_rm(self.mem, slot, start, -1)
         n_batch = self.n_batch
-        for s in range(start, len(tokens), n_batch):
-            self.decode([(tokens[i], i, slot, False) for i in range(s, min(s + n_batch, len(tokens)))])
+        i = start
+        while i < len(tokens):
+            if tokens[i] < 0:
+                i += self._image(slot, tokens, i)
+                continue
+            end = i
+            while end < len(tokens) and end - i < n_batch and tokens[end] >= 0:
+                end += 1
+            self.decode([(tokens[j], j, slot, False) for j in range(i, end)])
+            i = end
+
+    def _image(self, slot: int, tokens: list[int], at: int) -> int:
+        """Evaluate the image whose placeholders start at `at` into the slot; the positions it took."""
+        assert self.vision is not None, "image placeholders come only from a projector's tokenization"
+        n = self.vision.eval(self.ctx, tokens[at], at, slot, self.n_batch)
+        q = self.seqs[slot]
+        if q is not None:
+            q.images += 1
+        return n
 
     def step(self) -> list[Sampled]:
         entries: list[tuple[int, int, int, bool]] = []
@@ -557,7 +620,17 @@ class LlamaCppEngine:
             if q is None or q.last >= 0:
                 continue
             tokens = q.tokens
+            while q.todo < len(tokens) and tokens[q.todo] < 0 and room > 0:
+                # An image: evaluated now, by itself (the text before it is in the cache already),
+                # and counted against this step's room like the tokens it stands for.
+                n = self._image(s, tokens, q.todo)
+                q.todo = q.pos = q.todo + n
+                room -= n
             end = min(len(tokens), q.todo + room)
+            if room <= 0:
+                continue
+            stop = next((i for i in range(q.todo, end) if tokens[i] < 0), end)
+            end = stop  # text up to the next image; the image follows in the next step
             last = len(tokens) - 1
             entries.extend((tokens[i], i, s, i == last) for i in range(q.todo, end))
             if end == len(tokens):
@@ -722,6 +795,10 @@ class LlamaCppEngine:
         ll = self.ll
         for s in range(len(getattr(self, "seqs", []))):
             self.finish(s)
+        vision = getattr(self, "vision", None)
+        if vision is not None:
+            vision.close()
+            self.vision = None
         drafter = getattr(self, "drafter", None)
         if drafter is not None:
             drafter.close()

@@ -60,7 +60,7 @@ class _Job:
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
                  "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora", "split",
-                 "thought", "n_thought", "closing", "drafts")
+                 "thought", "n_thought", "closing", "drafts", "images")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
                  n_ctx: int, split: Splitter | None = None, closing: str = "") -> None:
@@ -87,6 +87,7 @@ class _Job:
         self.n_thought = 0  # tokens generated inside the thought
         self.closing = closing  # what ends the thought at its budget ("" once inserted)
         self.drafts = (0, 0)  # speculative decoding: tokens drafted, and kept, over the reply
+        self.images = 0  # images its prompt evaluation encoded (not those found in the KV cache)
 
 
 class EngineLoop:
@@ -358,6 +359,8 @@ class EngineLoop:
         if job.slot >= 0 and self.slots[job.slot] is job:
             if job.params.speculative:
                 job.drafts = self.engine.drafts(job.slot)
+            if job.tokens and min(job.tokens) < 0:  # image placeholders: the engine counts what it encoded
+                job.images = self.engine.images_encoded(job.slot)
             n = self.engine.finish(job.slot)
             self.cached[job.slot] = (job.tokens + job.generated)[:n]
             self.cached_lora[job.slot] = job.lora
@@ -386,6 +389,8 @@ class EngineLoop:
                                         thinking_tokens=job.n_thought)
         if job.drafts != (0, 0):
             final = dataclasses.replace(final, drafted_tokens=job.drafts[0], accepted_tokens=job.drafts[1])
+        if job.images:
+            final = dataclasses.replace(final, images_encoded=job.images)
         self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
 
 

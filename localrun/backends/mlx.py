@@ -440,6 +440,9 @@ class MLXEngine:
         """Render the request (chat template or raw) and tokenize it, as the llama.cpp engine does."""
         tok = self.tokenizer
         fallback = [tok.bos_token_id if tok.bos_token_id is not None else 0]
+        if request.images:
+            raise UsageError(f"the mlx engine does not read images yet ('{self.model_info.name}')",
+                             "run a GGUF vision model with its projector on the llama.cpp engine")
         if request.prompt is not None:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
@@ -574,6 +577,9 @@ class MLXEngine:
             out.append(Sampled(slot, tok, self._logprob(r.logprobs, tok, top) if top is not None else None,
                                g is not None and g.breaks(tok, self.is_eog(tok))))
         return out
+
+    def images_encoded(self, slot: int) -> int:
+        return 0  # this engine reads no images (prompt_tokens refuses them)
 
     def drafts(self, slot: int) -> tuple[int, int]:
         """Tokens drafted for the slot's reply so far, and how many of them the model kept."""

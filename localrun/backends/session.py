@@ -40,7 +40,7 @@ class WorkerSession:
         self._dead: EngineCrashedError | None = None
         self.stats = (0, 0)  # prompt and completion tokens evaluated, as the worker last reported
         # the experts the store read from the model's headers (--cpu-moe's overrides), so the worker parses none
-        sent = {**model.to_dict(), "details": {k: v for k, v in model.details.items() if k == "experts"}}
+        sent = {**model.to_dict(), "details": {k: v for k, v in model.details.items() if k in ("experts", "mmproj")}}
         self.chan.send({"op": "load", "i": 0, "backend": backend, "model": sent, "options": options.to_dict()})
         msg = None
         while msg is None:

@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", nargs="?", help="a .gguf file (or an MLX / Hugging Face model folder)")
     p.add_argument("--name", help="short name, e.g. mymodel:q4 (default: from the file name)")
     p.add_argument("--force", action="store_true", help="replace a model of the same name")
+    p.add_argument("--mmproj", metavar="FILE", help="a vision model's projector (mmproj GGUF), kept with it")
     p.add_argument("--from", dest="source", choices=("ollama", "lmstudio", "hf"),
                    help="register every model of Ollama's store, LM Studio's models folder or the Hugging Face cache")
     p.add_argument("--path", dest="folder", metavar="DIR",
@@ -79,11 +80,31 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = [
         [m.name, m.format, m.architecture or "-", human_count(m.parameters), m.quantization or "-",
          "-" if m.is_preset else human_size(m.size), str(m.context_length or "-"),
-         ("missing: " if m.details.get("missing") else "") + m.details.get("error", "") or _adapter_note(m)]
+         ("missing: " if m.details.get("missing") else "") + m.details.get("error", "") or _adapter_note(m)
+         or _vision_note(m)]
         for m in models
     ]
     print(_table(rows, ["NAME", "FORMAT", "ARCH", "PARAMS", "QUANT", "SIZE", "CONTEXT", ""]))
     return 0
+
+
+def _projector(path: str | None) -> str | None:
+    import os
+
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        return f"{path} (missing: the model runs as text)"
+    return f"{path} ({human_size(os.path.getsize(path))})"
+
+
+def _vision_note(m: Any) -> str:
+    import os
+
+    mmproj = m.details.get("mmproj")
+    if not mmproj:
+        return ""
+    return "vision" if os.path.isfile(mmproj) else "vision projector missing"
 
 
 def _adapter_note(m: Any) -> str:
@@ -139,6 +160,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("quantization", m.quantization), ("size", human_size(m.size)), ("context", context.text if context else m.context_length),
         ("tokenizer", f"{d.get('tokenizer')} (pre: {d.get('tokenizer_pre')}), {d.get('vocab_size')} tokens" if d.get("tokenizer") else None),
         ("license", d.get("license")),
+        ("projector", _projector(d.get("mmproj"))),
         ("capabilities", None if m.is_adapter else ", ".join(api.capabilities(m))),
     ]
     if m.is_adapter:
@@ -248,8 +270,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     from localrun.errors import UsageError
 
     if args.source:
-        if args.name or args.force:
-            raise UsageError("--name and --force name one file; --from registers a whole folder",
+        if args.name or args.force or args.mmproj:
+            raise UsageError("--name, --force and --mmproj name one file; --from registers a whole folder",
                              "drop them, or rename a model afterwards with 'localrun cp'")
         if args.path and args.folder and args.path != args.folder:
             raise UsageError("give the folder once: as PATH or as --path")
@@ -259,7 +281,7 @@ def cmd_add(args: argparse.Namespace) -> int:
                          "e.g. 'localrun add model.gguf' or 'localrun add --from ollama'")
     if args.folder or args.dry_run:
         raise UsageError("--path and --dry-run go with --from", "give the file as the argument: localrun add FILE")
-    m = api.add_model(args.path, name=args.name, replace=args.force)
+    m = api.add_model(args.path, name=args.name, replace=args.force, mmproj=args.mmproj)
     if args.json:
         print(json.dumps(m.to_dict(), indent=2))
     else:

@@ -231,6 +231,8 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                         "layer) in CPU memory, so that a model larger than the GPU runs (engines with expert "
                         "offload, see 'localrun doctor'; an error on a model without experts)")
     g.add_argument("--engine", choices=backend_names(), help="force an engine")
+    g.add_argument("--mmproj", metavar="FILE",
+                   help="a vision model's projector (mmproj GGUF), when the store does not record one with it")
     g.add_argument("--lora", action="append", default=[], metavar="ADAPTER[:SCALE]",
                    help="apply a LoRA adapter (a name from 'localrun list', a GGUF adapter file, or a PEFT folder "
                         "for an engine that applies adapters when it loads) at this scale (default 1); repeatable")
@@ -285,7 +287,20 @@ def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> Loa
     _check_cpu_moe(args, getattr(args, "engine", None))
     return LoadOptions(n_ctx=args.ctx, n_threads=args.threads, gpu_layers=args.gpu_layers, flash_attn=fa,
                        n_parallel=n_parallel, cpu_moe=getattr(args, "cpu_moe", 0),
-                       kv_type=getattr(args, "kv_type", "f16"), draft=draft_model_path(getattr(args, "speculative", None)))
+                       kv_type=getattr(args, "kv_type", "f16"), draft=draft_model_path(getattr(args, "speculative", None)),
+                       mmproj=_mmproj(getattr(args, "mmproj", None)))
+
+
+def _mmproj(value: str | None) -> str | None:
+    import os
+
+    from localrun.errors import UsageError
+
+    if value is None:
+        return None
+    if not os.path.isfile(value):
+        raise UsageError(f"--mmproj {value}: no such file", "give the path of a projector (mmproj) GGUF file")
+    return os.path.abspath(value)
 
 
 def draft_model_path(value: str | None) -> str | None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import (
@@ -38,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="complete the prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed on stderr")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for a vision model, shown before the prompt (repeatable; '-' reads it from stdin)")
     add_generation_flags(p)
     add_constraint_flags(p)
     add_thinking_flags(p)
@@ -54,12 +57,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from localrun import api
     from localrun.errors import UsageError
     from localrun.generation import Request
+    from localrun.images import read_file as read_image
 
     params = params_from_args(args)
     options = load_options_from_args(args)
     think = think_from_args(args)
     prompt = args.prompt
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+    if args.image.count("-") > 1 or ("-" in args.image and prompt == "-"):
+        raise UsageError("standard input can carry one thing: the prompt or one image")
+    if args.image and args.raw:
+        raise UsageError("--image needs the chat template", "drop --raw")
+    images = [read_image(path) for path in args.image]
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty() and "-" not in args.image):
         prompt = sys.stdin.read()
     if prompt is not None and not prompt.strip():
         raise UsageError("the prompt is empty", "pass a prompt, or '-' to read it from stdin")
@@ -74,14 +83,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = target.params(params_from_args(args, target.defaults()), engine)
     name = target.preset_name or model.name
     session = api.load(model, target.load_options(options, engine), engine=engine)
+    if session.info().get("warning"):
+        print(f"localrun: warning: '{name}': {session.info()['warning']}", file=sys.stderr)
     if args.verbose:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
     try:
         if prompt is None:
-            return _interactive(session, name, args, params, think, target.request)
-        request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system)
+            return _interactive(session, name, args, params, think, target.request, images)
+        request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system,
+                                                                                        images=images)
         if plan is not None:
             request, params = plan.request(request.messages), plan.params(params)
         if not args.raw:
@@ -189,6 +201,7 @@ def _stats(chunk: Chunk) -> dict[str, Any]:
         "seed": chunk.seed,
         **({"drafted_tokens": chunk.drafted_tokens, "accepted_tokens": chunk.accepted_tokens}
            if chunk.drafted_tokens else {}),
+        **({"images_encoded": chunk.images_encoded} if chunk.images_encoded else {}),
     }
 
 
@@ -201,7 +214,7 @@ def _print_stats(chunk: Chunk) -> None:
 
 
 def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
-                 think: bool | str | None, prepare: Callable[[Request], Request]) -> int:
+                 think: bool | str | None, prepare: Callable[[Request], Request], images: list[bytes]) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves. Each reply's
     thought is kept apart from its answer in the history, for templates that read earlier thoughts."""
     import dataclasses
@@ -214,8 +227,12 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
+    from localrun import images as imagefiles
+    from localrun.errors import UsageError
+
     system = args.system
-    history: list[dict[str, str]] = []
+    history: list[dict[str, Any]] = []
+    pending = list(images)  # images for the next message (--image, /image PATH)
     err = sys.stderr
     print(f"Chatting with {name}. Ctrl-C stops a reply, Ctrl-D leaves. /help for commands.", file=err)
     while True:
@@ -240,10 +257,24 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
             elif cmd == "/system":
                 system = rest or None
                 print(f"(system prompt {'set' if system else 'cleared'})", file=err)
+            elif cmd == "/image":
+                try:
+                    data = imagefiles.read_file(rest.strip().strip("'\""))
+                except UsageError as e:
+                    print(f"localrun: {e}", file=err)
+                    continue
+                pending.append(data)
+                print(f"[image {Path(rest.strip()).name}: {imagefiles.describe(data)}] attached to your next message",
+                      file=err)
             else:
-                print("/clear forgets the conversation, /system TEXT sets the system prompt, /bye leaves", file=err)
+                print("/clear forgets the conversation, /system TEXT sets the system prompt, /image PATH attaches "
+                      "an image to your next message, /bye leaves", file=err)
             continue
-        request = dataclasses.replace(prepare(api.build_messages(text, system, history)), think=think)
+        try:
+            request = dataclasses.replace(prepare(api.build_messages(text, system, history, pending)), think=think)
+        except UsageError as e:
+            print(f"localrun: {e}", file=err)
+            continue
         cancel = threading.Event()
         parts: list[str] = []
         thought = _Thought(args)
@@ -265,6 +296,10 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         except ContextOverflowError as e:
             print(f"localrun: {e}; use /clear to start over", file=err)
             continue
+        except UsageError as e:  # this message's fault (an image the model cannot read): the chat goes on
+            print(f"localrun: {e}", file=err)
+            pending.clear()
+            continue
         except KeyboardInterrupt:
             stream.close()  # cancels the reply in the engine and waits for it to stop
             last = None
@@ -283,6 +318,7 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         reply = {"role": "assistant", "content": "".join(parts)}
         if thought.parts:
             reply["thinking"] = "".join(thought.parts)
-        history += [{"role": "user", "content": text}, reply]
+        history += [{"role": "user", "content": text, **({"images": pending} if pending else {})}, reply]
+        pending = []
         if args.verbose and last is not None:
             _print_stats(last)

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $LOCALRUN_API_KEY; none: open)")
     g.add_argument("--origins", action="append", default=[], metavar="ORIGIN",
                    help="browser origins allowed besides localhost, e.g. 'https://app.example' or 'https://*.example' (repeatable)")
+    g.add_argument("--media-dir", metavar="DIR",
+                   help="let OpenAI image_url parts name files (file://) inside this folder (default: none)")
+    g.add_argument("--allow-fetch", action="store_true",
+                   help="fetch OpenAI image_url parts given as http(s) URLs (default: refused; send data URIs)")
     g.add_argument("--allow-pull", action="store_true",
                    help="allow /api/pull when listening beyond loopback (always allowed on 127.0.0.1)")
     m = p.add_argument_group("models")
@@ -101,6 +105,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from localrun.errors import UsageError
 
+    if getattr(args, "mmproj", None):
+        raise UsageError("serve loads many models: a projector is recorded with its model",
+                         "register it once with 'localrun add MODEL.gguf --mmproj FILE'")
+    if args.media_dir and not os.path.isdir(args.media_dir):
+        raise UsageError(f"--media-dir {args.media_dir}: no such folder")
     if args.max_queue < 0:
         raise UsageError(f"invalid value for --max-queue: {args.max_queue}", "expected an integer >= 0 (0: unbounded)")
     options = dataclasses.replace(load_options_from_args(args, n_parallel=args.parallel), max_queue=args.max_queue,
@@ -118,7 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
                               lora=_default_adapters(args.lora),
                               draft=None if args.draft is None else "lookup" if args.draft == "lookup" else "model",
-                              draft_always=args.draft_always)
+                              draft_always=args.draft_always,
+                              media_dir=os.path.realpath(args.media_dir) if args.media_dir else None,
+                              allow_fetch=args.allow_fetch)
         pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
         if not is_loopback(args.host):

@@ -40,6 +40,7 @@ from localrun.server.streams import (
     Job,
     Run,
     RunResponse,
+    check_images,
     config_of,
     embed,
     fit_vector,
@@ -251,6 +252,8 @@ def _message(m: Any) -> dict[str, Any]:
         out["name"] = m.tool_name
     if m.thinking:
         out["thinking"] = m.thinking
+    if m.images:
+        out["images"] = m.images  # base64, decoded and checked by parse_messages
     return out
 
 
@@ -277,6 +280,7 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     messages = parse_messages([_message(m) for m in body.messages])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     req = dataclasses.replace(req, think=think)
+    await check_images(request, req, model, body.model)
     if plan:
         params = plan.params(params)
     return await _answer(request, body, target, req, params, "message", plan)
@@ -293,15 +297,18 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})
     if body.raw:
+        if body.images:
+            raise UsageError("images need the chat template", "send the request without raw")
         req = Request.raw(body.prompt)
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-            [{"role": "user", "content": body.prompt}]
+            [{"role": "user", "content": body.prompt, **({"images": body.images} if body.images else {})}]
         req = Request.chat(messages, think=think)
         if body.template:  # this request's own template (Go, as Ollama's; or Jinja)
             from localrun.presets import translate_template
 
             req = dataclasses.replace(req, template=translate_template(body.template, None)[0])
+    await check_images(request, req, model, body.model)
     return await _answer(request, body, target, req, params, "response")
 
 

@@ -34,6 +34,7 @@ from localrun.server.streams import (
     Job,
     Run,
     RunResponse,
+    check_images,
     config_of,
     embed,
     fit_vector,
@@ -76,9 +77,13 @@ def _seeded(params: GenerationParams, i: int) -> GenerationParams:
     return dataclasses.replace(params, seed=(params.seed + i) % 2**32)
 
 
-def _message(message: ChatMessage, i: int) -> dict[str, Any]:
-    """A message as localrun's chat layer takes it (tool calls and results included)."""
+def _message(message: ChatMessage, i: int, config: Any = None) -> dict[str, Any]:
+    """A message as localrun's chat layer takes it (tool calls and results included; its image
+    parts as the images' bytes, read as the server's config allows)."""
     out: dict[str, Any] = {"role": ROLES.get(message.role, message.role), "content": _text(message, i)}
+    images = _images(message, i, config)
+    if images:
+        out["images"] = images
     if message.tool_calls:
         out["tool_calls"] = message.tool_calls
     if message.tool_call_id is not None:
@@ -91,15 +96,61 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
 
 
 def _text(message: ChatMessage, i: int) -> str:
+    """The message's text parts, joined (its images go before them, as llama-server places them)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
     for part in message.content:
+        if part.type == "image_url":
+            continue
         if part.type != "text" or part.text is None:
-            raise UsageError(f"message {i} has a '{part.type}' part; only text is supported",
-                             "send text parts (images and audio are not supported yet)")
+            raise UsageError(f"message {i} has a '{part.type}' part; text and image_url parts are supported",
+                             "send text and image_url parts")
         parts.append(part.text)
     return "\n".join(parts)
+
+
+def _images(message: ChatMessage, i: int, config: Any) -> list[bytes]:
+    """The bytes of the message's image_url parts: data URIs; file:// inside `serve --media-dir`;
+    http(s) with `serve --allow-fetch`."""
+    from localrun import images
+
+    if message.content is None or isinstance(message.content, str):
+        return []
+    out = []
+    for j, part in enumerate(p for p in message.content if p.type == "image_url"):
+        what = f"message {i}: image {j + 1}"
+        ref = (part.model_extra or {}).get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str) or not url:
+            raise UsageError(f"{what} has no url", 'send {"type": "image_url", "image_url": {"url": "data:..."}}')
+        if url.startswith("data:"):
+            out.append(images.from_base64(url, what))
+        elif url.startswith("file://"):
+            out.append(_media_file(url, what, getattr(config, "media_dir", None)))
+        elif url.startswith(("http://", "https://")):
+            if not getattr(config, "allow_fetch", False):
+                raise UsageError(f"{what}: this server does not fetch image URLs ({url[:80]})",
+                                 "send the image as a data URI, or start the server with --allow-fetch")
+            out.append(images.fetch(url, what))
+        else:
+            raise UsageError(f"{what}: the url must be a data URI (or file:// / http(s) where the server allows)")
+        images.facts(out[-1], what)
+    return out
+
+
+def _media_file(url: str, what: str, media_dir: str | None) -> bytes:
+    from urllib.parse import unquote, urlparse
+
+    from localrun import images
+
+    if not media_dir:
+        raise UsageError(f"{what}: this server reads no files for image URLs",
+                         "send the image as a data URI, or start the server with --media-dir DIR")
+    path = os.path.realpath(unquote(urlparse(url).path))
+    if os.path.commonpath([path, media_dir]) != media_dir:
+        raise UsageError(f"{what}: {path} is outside the server's --media-dir ({media_dir})")
+    return images.read_file(path, what)
 
 
 def _usage(run: Run, jobs: list[Job]) -> dict[str, Any]:
@@ -197,9 +248,12 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     model = target.model
     params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
-    messages = parse_messages([_message(m, i) for i, m in enumerate(body.messages)])
+    config = config_of(request)
+    messages = await asyncio.to_thread(
+        lambda: parse_messages([_message(m, i, config) for i, m in enumerate(body.messages)]))
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     req = dataclasses.replace(req, think=body.think, template_kwargs=dict(body.chat_template_kwargs or {}))
+    await check_images(request, req, model, body.model)
     if plan:
         params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]

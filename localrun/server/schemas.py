@@ -343,10 +343,6 @@ class OllamaChatRequest(OllamaGenerating):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[Any] | None = None
 
-    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
-        if any(m.images for m in self.messages):
-            raise UsageError(f"'{self.model}' does not support images", "send text messages only")
-        return super().generation(defaults)
 
 
 class OllamaGenerateRequest(OllamaGenerating):
@@ -365,8 +361,6 @@ class OllamaGenerateRequest(OllamaGenerating):
             raise UsageError(f"'{self.model}' does not support insert (suffix)", "send the request without suffix")
         if self.context:
             raise UsageError("context (token arrays from an earlier reply) is not supported", "use /api/chat with messages")
-        if self.images:
-            raise UsageError(f"'{self.model}' does not support images", "send text only")
         return super().generation(defaults)
 
 

@@ -76,6 +76,8 @@ class ServerConfig:
     lora: tuple[tuple[str, float], ...] = ()
     draft: str | None = None  # `serve --draft`: speculative decoding ("lookup" or "model") for requests that do not say
     draft_always: bool = False  # `serve --draft-always`: drafting does not turn itself down
+    media_dir: str | None = None  # `serve --media-dir`: where OpenAI file:// image URLs may point
+    allow_fetch: bool = False  # `serve --allow-fetch`: OpenAI image URLs over http(s) are fetched
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
 
     @property
@@ -85,6 +87,17 @@ class ServerConfig:
     @property
     def pull_allowed(self) -> bool:
         return self.allow_pull or self.loopback
+
+
+async def check_images(request: HttpRequest, req: Request, model: ModelInfo, name: str) -> None:
+    """A request with images for a model that reads none is refused before the model loads."""
+    if req.images:
+        engine = pool_of(request).engine
+        caps = await asyncio.to_thread(api.capabilities, model, engine)
+        if "vision" not in caps:
+            raise UsageError(f"'{name}' does not support images",
+                             "send text only, or use a vision model (registered with its projector: "
+                             "'localrun add MODEL.gguf --mmproj FILE')")
 
 
 def with_draft(params: GenerationParams, asked: str | bool | None, config: ServerConfig) -> GenerationParams:

@@ -164,6 +164,17 @@ def test_errors_in_ollama_shape(served: Served, starter: Path) -> None:
                         headers={"content-type": "application/x-www-form-urlencoded"})
         assert res.status_code == 200 and res.json()["done"] is True
         assert http.get("/api/nothing").json() == {"error": "no such endpoint: GET /api/nothing"}
+    # An image for a text-only model is refused before the model loads, naming the model (as Ollama does).
+    from tests.test_images import png
+
+    for call in (lambda: client.chat(model=MODEL, messages=[{"role": "user", "content": "what?", "images": [png(28, 28)]}]),
+                 lambda: client.generate(model=MODEL, prompt="what?", images=[png(28, 28)])):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 400 and f"'{MODEL}' does not support images" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=MODEL, messages=[{"role": "user", "content": "what?", "images": [b"%PDF-1.4"]}])
+    assert e.value.status_code == 400 and "message 0: image 1 is not an image localrun can read" in e.value.error
 
 
 def test_version_root_and_localrun_ps(served: Served) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 from pathlib import Path
 
@@ -178,9 +179,24 @@ def test_bad_json_and_bad_fields(served: Served) -> None:
     assert e.value.param == "messages"
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="only text"):
+    with pytest.raises(openai.BadRequestError, match="message 0: image 1 is not an image localrun can read"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    from tests.test_images import png
+
+    image = "data:image/png;base64," + base64.b64encode(png(28, 28)).decode()
+    with pytest.raises(openai.BadRequestError, match=f"'{MODEL}' does not support images"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "what is it?"}]}])
+    with pytest.raises(openai.BadRequestError, match="does not fetch image URLs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="reads no files for image URLs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}])
+    with pytest.raises(openai.BadRequestError, match="'input_audio' part; text and image_url parts"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
 
 
 def test_content_parts_and_developer_role(served: Served) -> None:

@@ -1,0 +1,159 @@
+"""Images on the llama.cpp engine: llama.cpp's multimodal library (libmtmd) with a model's
+projector file (mmproj).
+
+A prompt with images is tokenized by `mtmd_tokenize`: text chunks give tokens, and each image chunk
+gives placeholder tokens, one per position the image takes in the sequence
+(`mtmd_input_chunk_get_n_pos`; M-RoPE models take fewer positions than embeddings). A placeholder
+is a negative number made from the image's digest and its position within the image, so the
+engine loop's prefix matching works unchanged on prompts with images: a conversation's next turn
+finds its images in the KV cache and they are not encoded again, and two different images never
+match. The engine evaluates a placeholder run with `mtmd_helper_eval_chunk_single` (encode the
+image, decode its embeddings at the run's positions) for that sequence, inside its step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+from localrun.errors import BadModelFileError, EngineError, UsageError
+
+_SPAN = 1 << 20  # positions per image in the placeholder numbering
+KEEP_IMAGES = 64  # tokenized images kept for the prefill of queued requests (least recently used go)
+
+
+def placeholder(key: int, i: int) -> int:
+    return -(1 + key * _SPAN + i)
+
+
+def image_key(token: int) -> tuple[int, int]:
+    """(image key, position within the image) of a placeholder token."""
+    v = -token - 1
+    return v // _SPAN, v % _SPAN
+
+
+def image_start(tokens: list[int], i: int) -> int:
+    """Where the image run that position i lies in starts (i itself if it starts one or is text)."""
+    if i >= len(tokens) or tokens[i] >= 0:
+        return i
+    return i - image_key(tokens[i])[1]
+
+
+class Vision:
+    """One model's projector: image tokenization and evaluation for the engine's sequences."""
+
+    def __init__(self, path: str, model: Any, threads: int, gpu: bool) -> None:
+        from llama_cpp import mtmd_cpp as mt
+
+        from localrun.backends.llama_loader import _STATE, LOG, last_log_error
+
+        if "mtmd_log" not in _STATE:  # the projector's log lines go where llama.cpp's go (not stderr)
+            sink = _STATE["sink"]
+            mt.mtmd_log_set(sink, ctypes.c_void_p(0))
+            mt.mtmd_helper_log_set(sink, ctypes.c_void_p(0))
+            _STATE["mtmd_log"] = True
+        self.mt = mt
+        self.path = path
+        params = mt.mtmd_context_params_default()
+        params.use_gpu = gpu
+        params.n_threads = threads
+        params.print_timings = False
+        params.warmup = False
+        LOG.clear()
+        self.ctx = mt.mtmd_init_from_file(path.encode(), model, params)
+        if not self.ctx:
+            raise BadModelFileError(f"the vision projector '{path}' cannot be loaded: "
+                                    f"{last_log_error() or 'llama.cpp refused it'}",
+                                    "a projector must be made for this model (its mmproj file)")
+        if not mt.mtmd_support_vision(self.ctx):
+            mt.mtmd_free(self.ctx)
+            self.ctx = None
+            raise BadModelFileError(f"'{path}' is not a vision projector (it reads no images)")
+        self.marker = mt.mtmd_default_marker().decode()
+        self.chunks: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # image key -> (owned chunk, n_pos)
+        self.encoded = 0  # images encoded since load
+
+    def tokenize(self, text: str, images: list[bytes], add_special: bool) -> list[int]:
+        """Tokens of a prompt whose images stand at markers in text, in order, as placeholders."""
+        mt = self.mt
+        bitmaps = []
+        try:
+            for n, data in enumerate(images, 1):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bitmap = mt.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+                if not bitmap:
+                    raise UsageError(f"image {n} of the request could not be decoded (a damaged or truncated file?)",
+                                     "send a complete PNG, JPEG, GIF or BMP file")
+                bitmaps.append(bitmap)
+                mt.mtmd_bitmap_set_id(bitmap, hashlib.sha256(data).hexdigest().encode())
+            chunks = mt.mtmd_input_chunks_init()
+            try:
+                raw = text.encode()
+                inp = mt.mtmd_input_text(raw, len(raw), add_special, True)
+                arr = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+                rc = mt.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+                if rc == 1:
+                    raise UsageError(f"the prompt has {text.count(self.marker)} image markers for {len(images)} images",
+                                     f"do not write '{self.marker}' in messages")
+                if rc != 0:
+                    raise UsageError(f"the images could not be prepared for this model (mtmd_tokenize: {rc})")
+                return self._flatten(chunks)
+            finally:
+                mt.mtmd_input_chunks_free(chunks)
+        finally:
+            for b in bitmaps:
+                mt.mtmd_bitmap_free(b)
+
+    def _flatten(self, chunks: Any) -> list[int]:
+        mt = self.mt
+        out: list[int] = []
+        for c in range(mt.mtmd_input_chunks_size(chunks)):
+            chunk = mt.mtmd_input_chunks_get(chunks, c)
+            if mt.mtmd_input_chunk_get_type(chunk) == mt.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                n = ctypes.c_size_t()
+                ptr = mt.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                out.extend(ptr[i] for i in range(n.value))
+                continue
+            ident = mt.mtmd_input_chunk_get_id(chunk) or b""
+            n_pos = mt.mtmd_input_chunk_get_n_pos(chunk)
+            key = int(hashlib.sha256(ident + n_pos.to_bytes(4, "little")).hexdigest()[:10], 16)
+            if key in self.chunks:
+                self.chunks.move_to_end(key)
+            else:
+                self.chunks[key] = (mt.mtmd_input_chunk_copy(chunk), n_pos)
+                while len(self.chunks) > KEEP_IMAGES:
+                    mt.mtmd_input_chunk_free(self.chunks.popitem(last=False)[1][0])
+            out.extend(placeholder(key, i) for i in range(n_pos))
+        return out
+
+    def eval(self, lctx: Any, token: int, n_past: int, seq: int, n_batch: int) -> int:
+        """Encode the image whose run starts with this placeholder and decode it into the sequence
+        at n_past; the positions it took."""
+        key, i = image_key(token)
+        assert i == 0, "an image is evaluated from its start"
+        found = self.chunks.get(key)
+        if found is None:
+            raise EngineError("an image of the request was dropped before it was evaluated "
+                              f"(more than {KEEP_IMAGES} images waited)", "send fewer images at once")
+        chunk, n_pos = found
+        new = ctypes.c_int32(0)
+        from localrun.backends.llama_loader import last_log_error
+
+        rc = self.mt.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq, n_batch, False,
+                                                   ctypes.byref(new))
+        if rc != 0:
+            reason = last_log_error()
+            raise EngineError(f"evaluating an image failed (code {rc}){': ' + reason if reason else ''}",
+                              "the context may be full; try a larger --ctx")
+        self.encoded += 1
+        return n_pos
+
+    def close(self) -> None:
+        for chunk, _ in self.chunks.values():
+            self.mt.mtmd_input_chunk_free(chunk)
+        self.chunks.clear()
+        if self.ctx:
+            self.mt.mtmd_free(self.ctx)
+            self.ctx = None

@@ -1,0 +1,210 @@
+"""Images on the llama.cpp engine: a tiny Qwen2-VL converted by llama.cpp's own converter (text
+GGUF + projector), against transformers' forward pass on the same pixels, through the engine
+loop, the CLI and the store."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localrun import api
+from localrun.errors import UsageError
+from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.store import ModelInfo
+from tests.conftest import run_cli
+from tests.vision_models import VisionModel, qwen2vl, reference_greedy, test_image
+
+PROMPT = "Describe this image."
+GREEDY = GenerationParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def vl() -> VisionModel:
+    return qwen2vl("f32")
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("pictures")
+    return [test_image(root / f"image{seed}.png", seed=seed) for seed in (0, 1)]
+
+
+def info(model: VisionModel) -> ModelInfo:
+    return api.get_model(str(model.gguf))
+
+
+def ask(session: Any, messages: list[dict[str, Any]], params: GenerationParams = GREEDY) -> tuple[str, Any]:
+    chunks = list(api.stream(session, Request.chat(messages), params))
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def user(text: str, *images: Path) -> dict[str, Any]:
+    return {"role": "user", "content": text, "images": [p.read_bytes() for p in images]}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_greedy_replies_equal_transformers_on_the_same_pixels(dtype: str, pictures: list[Path]) -> None:
+    """The image goes through mtmd_tokenize and is evaluated inside the engine loop; the reply is
+    transformers' own greedy continuation (F32 reference; both image tokens and text positions of
+    this M-RoPE model), and another image gives another reply."""
+    model = qwen2vl(dtype)
+    session = api.load(info(model), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(model.mmproj)))
+    try:
+        assert session.info()["mmproj"] == str(model.mmproj)
+        replies = []
+        for picture in pictures:
+            ref = reference_greedy(model, picture, PROMPT, 8)
+            text, end = ask(session, [user(PROMPT, picture)])
+            assert text == ref.text, (dtype, picture.name)
+            # 12 image embeddings take 4 positions (M-RoPE): 25 text tokens + 4
+            assert end.prompt_tokens == len(ref.prompt_ids) - ref.image_tokens + 4 and end.images_encoded == 1
+            replies.append(text)
+        assert replies[0] != replies[1]
+    finally:
+        session.close()
+
+
+def test_the_next_turn_finds_its_image_in_the_kv_cache(vl: VisionModel, pictures: list[Path]) -> None:
+    """The second turn of a conversation reuses the first turn's KV cache, image included: no image
+    is encoded again, and the reply is what a fresh engine gives the whole conversation."""
+    session = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj)))
+    try:
+        first, end1 = ask(session, [user(PROMPT, pictures[0])])
+        assert end1.images_encoded == 1
+        conversation = [user(PROMPT, pictures[0]), {"role": "assistant", "content": first},
+                        {"role": "user", "content": "And the colours?"}]
+        second, end2 = ask(session, conversation)
+        assert end2.images_encoded == 0 and end2.cached_tokens >= end1.prompt_tokens
+        # A different image in the same place is not taken for the cached one.
+        other, end3 = ask(session, [user(PROMPT, pictures[1])])
+        assert end3.images_encoded == 1 and other != first
+    finally:
+        session.close()
+    fresh = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj)))
+    try:
+        again, end = ask(fresh, conversation)
+        assert again == second and end.images_encoded == 1 and end.cached_tokens == 0
+    finally:
+        fresh.close()
+
+
+def test_image_requests_decode_beside_text_requests(vl: VisionModel, pictures: list[Path]) -> None:
+    """Three requests at once (two images, one text) in one engine loop: each reply is the one it
+    gets alone."""
+    asks = [[user(PROMPT, pictures[0])], [user(PROMPT, pictures[1])], [{"role": "user", "content": "Tell me a story."}]]
+    params = GenerationParams(temperature=0, max_tokens=24)
+    solo = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj)))
+    try:
+        alone = [ask(solo, m, params)[0] for m in asks]
+    finally:
+        solo.close()
+    session = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=3, mmproj=str(vl.mmproj)))
+    together: list[str] = [""] * 3
+    try:
+        def one(i: int) -> None:
+            together[i] = ask(session, asks[i], params)[0]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        session.close()
+    assert together == alone
+
+
+def test_bad_images_fail_their_own_request_and_the_engine_goes_on(vl: VisionModel, pictures: list[Path]) -> None:
+    from tests.test_images import bomb
+
+    session = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj)))
+    try:
+        whole = pictures[0].read_bytes()
+        truncated = whole[: len(whole) // 2]  # the header says 112x84; the pixels stop half way
+        with pytest.raises(UsageError, match="image 1 of the request could not be decoded"):
+            ask(session, [{"role": "user", "content": PROMPT, "images": [truncated]}])
+        with pytest.raises(UsageError, match="30000x30000 pixels, more than localrun decodes"):
+            ask(session, [{"role": "user", "content": PROMPT, "images": [bomb()]}])
+        with pytest.raises(UsageError, match="is not an image localrun can read"):
+            ask(session, [{"role": "user", "content": PROMPT, "images": [b"GIF87a"]}])
+        with pytest.raises(UsageError, match="'<__media__>', which marks an image"):
+            ask(session, [user("look: <__media__>", pictures[0])])
+        text, end = ask(session, [user(PROMPT, pictures[0])])
+        assert text and end.images_encoded == 1
+    finally:
+        session.close()
+
+
+def test_a_model_without_a_projector_refuses_images(starter: Path, pictures: list[Path]) -> None:
+    session = api.load("smollm2:135m", LoadOptions(n_ctx=512, n_parallel=1))
+    try:
+        with pytest.raises(UsageError, match=r"'smollm2:135m' does not support images"):
+            ask(session, [user("What is it?", pictures[0])])
+        assert ask(session, [{"role": "user", "content": "What is the opposite of hot?"}])[0]
+    finally:
+        session.close()
+
+
+def test_cli_add_list_show_run_and_a_missing_projector(vl: VisionModel, pictures: list[Path], tmp_path: Path) -> None:
+    """`add --mmproj` keeps the projector with the model; `list` and `show` say so; `run --image`
+    (also from stdin) answers as the engine does; a projector gone leaves a text model with one warning."""
+    gguf, mmproj = tmp_path / "vl.gguf", tmp_path / "mmproj-vl.gguf"
+    os.link(vl.gguf, gguf) if vl.gguf.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(vl.gguf, gguf)
+    shutil.copy(vl.mmproj, mmproj)
+    res = run_cli("add", str(gguf), "--name", "vl:tiny", "--mmproj", str(mmproj), "--json")
+    assert res.returncode == 0, res.stderr
+    res = run_cli("add", str(gguf), "--name", "vl:bad", "--mmproj", str(gguf))
+    assert res.returncode != 0 and "is not a vision projector (its architecture is qwen2vl)" in res.stderr
+    listing = run_cli("list").stdout
+    assert any(line.startswith("vl:tiny") and line.rstrip().endswith("vision") for line in listing.splitlines()), listing
+    shown = run_cli("show", "vl:tiny").stdout
+    assert f"projector       {mmproj}" in shown and "vision" in shown.split("capabilities", 1)[1].splitlines()[0]
+    assert "vision" in json.loads(run_cli("show", "vl:tiny", "--json").stdout)["capabilities"]
+    ref = reference_greedy(vl, pictures[0], PROMPT, 8)
+    res = run_cli("run", "vl:tiny", PROMPT, "--image", str(pictures[0]), "--temperature", "0", "-n", "8",
+                  "--ctx", "512", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["text"] == ref.text and out["images_encoded"] == 1
+    piped = subprocess.run([sys.executable, "-m", "localrun", "run", "vl:tiny", PROMPT, "--image", "-",
+                            "--temperature", "0", "-n", "8", "--ctx", "512"],
+                           input=pictures[0].read_bytes(), capture_output=True, timeout=300)
+    assert piped.returncode == 0 and piped.stdout.decode().rstrip("\n") == ref.text.rstrip("\n")
+    res = run_cli("run", "vl:tiny", PROMPT, "--image", str(tmp_path / "nope.png"))
+    assert res.returncode != 0 and "nope.png': no such file" in res.stderr
+    mmproj.unlink()
+    assert "vision projector missing" in run_cli("list").stdout
+    res = run_cli("run", "vl:tiny", "Hello", "--temperature", "0", "-n", "4", "--ctx", "512")
+    assert res.returncode == 0 and res.stderr.count("warning") == 1
+    assert "its vision projector" in res.stderr and "is missing: it reads no images" in res.stderr
+    assert "vision" not in json.loads(run_cli("show", "vl:tiny", "--json").stdout)["capabilities"]
+    res = run_cli("run", "vl:tiny", PROMPT, "--image", str(pictures[0]), "--ctx", "512")
+    assert res.returncode != 0 and "'vl:tiny' does not support images (its vision projector" in res.stderr
+
+
+def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: list[Path], tmp_path: Path) -> None:
+    shutil.copy(pictures[0], tmp_path / "a.png")
+    uri = "data:image/png;base64," + base64.b64encode(pictures[1].read_bytes()).decode()
+    rows = [{"id": "a", "prompt": PROMPT, "images": ["a.png"]},
+            {"id": "b", "prompt": PROMPT, "images": [uri]},
+            {"id": "c", "messages": [{"role": "user", "content": PROMPT, "images": ["a.png"]}]},
+            {"id": "d", "prompt": PROMPT, "images": ["missing.png"]}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    res = run_cli("batch", str(vl.gguf), "--input", str(src), "--output", str(out), "--mmproj", str(vl.mmproj),
+                  "--temperature", "0", "--max-tokens", "8", "--ctx", "512")
+    assert res.returncode == 1 and "4 rows (3 ok, 1 failed)" in res.stderr  # a failed row fails the run, not the others
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    refs = [reference_greedy(vl, p, PROMPT, 8).text for p in pictures]
+    assert got["a"]["text"] == refs[0] and got["c"]["text"] == refs[0] and got["b"]["text"] == refs[1]
+    assert "no such file" in got["d"]["error"]
