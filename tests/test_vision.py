@@ -208,3 +208,28 @@ def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: li
     refs = [reference_greedy(vl, p, PROMPT, 8).text for p in pictures]
     assert got["a"]["text"] == refs[0] and got["c"]["text"] == refs[0] and got["b"]["text"] == refs[1]
     assert "no such file" in got["d"]["error"]
+
+
+def test_interactive_chat_attaches_an_image_and_keeps_it_in_the_history(vl: VisionModel, pictures: list[Path]) -> None:
+    """`/image PATH` in `localrun run`'s chat: the next message carries it, the reply is the
+    engine's for that image, and the next turn finds it in the cache (no image encoded)."""
+    from tests.test_cli import Terminal, _turn
+
+    ref = reference_greedy(vl, pictures[0], PROMPT, 8)
+    term = Terminal("run", str(vl.gguf), "--mmproj", str(vl.mmproj), "--temperature", "0", "-n", "8", "--ctx", "512",
+                    "--verbose")
+    term.expect(">>> ")
+    start = len(term.out)
+    term.send(f"/image {pictures[0]}\r")
+    term.expect("attached to your next message", start=start)
+    assert f"[image {pictures[0].name}: PNG 112x84, " in term.out[start:].decode()
+    term.expect(">>> ", start=start + 10)
+    term.send(f"/image {pictures[0].parent / 'nope.png'}\r")
+    term.expect("no such file", start=start)
+    term.expect(">>> ", start=term.out.rindex(b"no such file"))
+    first, p1, _ = _turn(term, PROMPT)
+    assert ref.text.strip() in first.replace("\r\n", "\n") and "1 image encoded" in first
+    second, p2, _ = _turn(term, "And the colours?")
+    assert p2 > p1 and "image encoded" not in second
+    term.send("\x04")
+    assert term.wait() == 0

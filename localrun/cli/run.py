@@ -208,7 +208,9 @@ def _stats(chunk: Chunk) -> dict[str, Any]:
 def _print_stats(chunk: Chunk) -> None:
     print(
         f"[{chunk.prompt_tokens} prompt tokens in {chunk.prompt_ms:.0f} ms, {chunk.completion_tokens} tokens at"
-        f" {chunk.tokens_per_second:.1f} tok/s, {chunk.finish_reason}]",
+        f" {chunk.tokens_per_second:.1f} tok/s, {chunk.finish_reason}"
+        + (f", {chunk.images_encoded} image{'s' if chunk.images_encoded > 1 else ''} encoded" if chunk.images_encoded else "")
+        + "]",
         file=sys.stderr,
     )
 
