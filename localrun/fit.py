@@ -95,10 +95,13 @@ class FitEstimate:
     suggested_cpu_moe: int | str | None = None  # the smallest --cpu-moe that fits the GPU, when one is needed
     compute_bytes: int = 0  # llama.cpp's compute buffer; overhead_bytes holds it and the output buffer
     output_bytes: int = 0
+    projector: str | None = None  # a vision model's projector file, loaded with it
+    projector_bytes: int = 0
+    download_bytes: int = 0  # every file a pull fetches, the projector included
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes + self.projector_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -127,7 +130,8 @@ class FitEstimate:
             "expert_bytes": self.experts.expert_bytes if self.experts else None,
             "cpu_moe_layers": self.cpu_moe_layers, "host_bytes": self.host_bytes, "device_bytes": self.device_bytes,
             "suggested_cpu_moe": self.suggested_cpu_moe, "compute_bytes": self.compute_bytes,
-            "output_bytes": self.output_bytes,
+            "output_bytes": self.output_bytes, "projector": self.projector, "projector_bytes": self.projector_bytes,
+            "download_bytes": self.download_bytes,
         }
 
 
@@ -503,15 +507,18 @@ def parameters_from_gguf(meta: Any, weights: int | None = None) -> tuple[int, in
 
 def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, context: int | None,
              parameters: int | None = None, active_parameters: int | None = None,
-             experts: Experts | None = None, cpu_moe: int | str = 0) -> FitEstimate:
+             experts: Experts | None = None, cpu_moe: int | str = 0, projector_bytes: int = 0) -> FitEstimate:
     """Compare the model's needs with this machine's RAM and GPUs; with cpu_moe (--cpu-moe N or
-    'all') the expert weights of those layers count toward host memory, not the GPU's."""
+    'all') the expert weights of those layers count toward host memory, not the GPU's. A vision
+    model's projector (projector_bytes, its file's size) loads beside it; the context stays the one
+    the engine chooses for the model alone."""
     ram_total, ram_available, gpu_name, gpu_bytes = _machine()
     ram = ram_available or ram_total or 0
     least = memory_estimate(shape, weights, min(shape.context_length or SMALL_CONTEXT, SMALL_CONTEXT)).total
     ctx = choose_context(shape, weights, context, memory=_capacity(least, ram, gpu_bytes)).tokens
     memory = memory_estimate(shape, weights, ctx)
-    weights, kv, overhead, total = memory.weights, memory.kv, memory.compute + memory.output, memory.total
+    weights, kv, overhead = memory.weights, memory.kv, memory.compute + memory.output
+    total = memory.total + projector_bytes
 
     def on_gpu(host: int) -> bool:
         return bool(gpu_bytes) and total - host <= (gpu_bytes or 0) * GPU_USABLE and host <= ram
@@ -529,6 +536,7 @@ def estimate(repo: str, files: tuple[str, ...], weights: int, shape: Shape, cont
         {"layers": shape.layers, "kv_heads": shape.kv_heads, "key_dim": shape.key_dim,
          "value_dim": shape.value_dim, "model_context": shape.context_length},
         parameters, active_parameters, experts, layers, host, suggested, memory.compute, memory.output,
+        projector_bytes=projector_bytes,
     )
 
 

@@ -3,7 +3,8 @@
 A pull resolves `REPO[:QUANT|:FILE]` to a set of files at one commit, estimates whether the model
 fits this machine, downloads what the cache lacks (localrun.download: ranged, resumable,
 verified), links the files into the cache's snapshot only when all of them are complete, and
-registers the model in the store under a short name.
+registers the model in the store under a short name. A GGUF repository that publishes vision
+projectors (mmproj files) has the matching one fetched with the model and recorded with its entry.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from localrun.download import Blob, Cancel, Progress, ProgressFn, fetch, hash_file, partial_path
 from localrun.errors import HubError, UsageError
 from localrun.fit import FitEstimate
-from localrun.repofiles import RepoFile, default_name, detect_quant, select, split_of
+from localrun.repofiles import (
+    RepoFile,
+    choose_projector,
+    default_name,
+    detect_quant,
+    projector_choices,
+    select,
+    split_of,
+)
 from localrun.store import ModelInfo, Store, hf_cache_dir
 from localrun.system import disk_full
 
@@ -59,16 +68,31 @@ class PullPlan:
     quant: str | None
     name: str
     from_cache: bool = False  # listed from the local cache (offline, or the Hub unreachable)
+    projector: RepoFile | None = None  # a vision model's projector, fetched with its files
+    projector_choices: tuple[str, ...] = ()  # the projectors it was chosen from
+
+    @property
+    def downloads(self) -> tuple[RepoFile, ...]:
+        """Every file the pull fetches: the model's, then its projector."""
+        return self.files + ((self.projector,) if self.projector else ())
 
     @property
     def size(self) -> int:
-        return sum(f.size for f in self.files)
+        return sum(f.size for f in self.downloads)
+
+    @property
+    def snapshot(self) -> Path:
+        return repo_cache_dir(self.repo) / "snapshots" / self.commit
 
     @property
     def model_path(self) -> Path:
         """What the store registers: the (first) GGUF file, or the snapshot folder."""
-        snapshot = repo_cache_dir(self.repo) / "snapshots" / self.commit
-        return snapshot / self.files[0].path if self.format == "gguf" else snapshot
+        return self.snapshot / self.files[0].path if self.format == "gguf" else self.snapshot
+
+    @property
+    def projector_path(self) -> Path | None:
+        """Where the projector lies once pulled (recorded as the entry's mmproj)."""
+        return self.snapshot / self.projector.path if self.projector else None
 
 
 @dataclass(frozen=True)
@@ -263,6 +287,8 @@ def listing(spec: str, revision: str | None = None) -> RepoListing:
         fmt, chosen, quant = select(repo, files, None, facts)
     except HubError:
         fmt, chosen, quant = None, [], None
+    projector = choose_projector(projector_choices(files, chosen)) if fmt == "gguf" else None
+    chosen = [*chosen, projector] if projector else chosen
     return RepoListing(repo, commit, tuple(files), fmt, tuple(f.path for f in chosen), quant)
 
 
@@ -300,8 +326,9 @@ def plan(spec: str, revision: str | None = None, name: str | None = None,
             raise
         raise HubError(f"{e.message} in the cached copy", f"{e.hint}; or download it with the Hub reachable"
                        " (HF_HUB_OFFLINE unset)" if e.hint else "unset HF_HUB_OFFLINE to download it") from e
-    return PullPlan(repo, rev, commit, fmt, tuple(chosen), quant,
-                    name or default_name(repo, fmt, quant), from_cache)
+    choices = projector_choices(files, chosen) if fmt == "gguf" else []
+    return PullPlan(repo, rev, commit, fmt, tuple(chosen), quant, name or default_name(repo, fmt, quant), from_cache,
+                    choose_projector(choices), tuple(f.path for f in choices))
 
 
 # -- fit -----------------------------------------------------------------------------------------
@@ -372,8 +399,10 @@ def estimate_fit(p: PullPlan, context: int | None = None, cpu_moe: int | str = 0
             shape = fit.shape_from_config(json.loads(raw))
         except ValueError as e:
             raise HubError(f"the config.json of '{p.repo}' is not valid JSON: {e}") from e
-    return fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context, parameters, active, experts,
-                        cpu_moe)
+    projector = p.projector.size if p.projector else 0  # its weights load with the model
+    est = fit.estimate(p.repo, tuple(f.path for f in p.files), weights, shape, context, parameters, active, experts,
+                       cpu_moe, projector_bytes=projector)
+    return replace(est, projector=p.projector.path if p.projector else None, download_bytes=p.size)
 
 
 # -- pull -----------------------------------------------------------------------------------------
@@ -387,15 +416,16 @@ def _installed(p: PullPlan, store: Store) -> ModelInfo | None:
         return None
     except Exception:  # noqa: BLE001 - a broken entry is reinstalled below
         return None
-    snapshot = repo_cache_dir(p.repo) / "snapshots" / p.commit
     same = os.path.realpath(info.path) == os.path.realpath(p.model_path)
-    complete = all((snapshot / f.path).exists() for f in p.files)
-    return info if same and complete and info.source == "hub" else None
+    complete = all((p.snapshot / f.path).exists() for f in p.downloads)
+    # A vision model pulled before its projector was fetched gets it now.
+    projector = p.projector is None or bool(info.details.get("mmproj"))
+    return info if same and complete and projector and info.source == "hub" else None
 
 
 def _check_disk(p: PullPlan, blobs: Path) -> None:
     missing = 0
-    for f in p.files:
+    for f in p.downloads:
         blob = blobs / (f.sha256 or f.blob_id or "")
         if not blob.exists():
             part = partial_path(blob)
@@ -447,7 +477,7 @@ def download(p: PullPlan, progress: ProgressFn | None = None, cancel: Cancel | N
     _check_disk(p, blobs)
     headers = _auth_headers()
     fetched = 0
-    for f in p.files:
+    for f in p.downloads:
         digest = f.sha256 or f.blob_id
         if not digest:
             raise HubError(f"the Hub lists no checksum for '{f.path}' in '{p.repo}'", "try again later")
@@ -481,7 +511,7 @@ def download(p: PullPlan, progress: ProgressFn | None = None, cancel: Cancel | N
                     " then run the same pull again: it resumes where it stopped",
                 ) from e
     # Only now, with every file complete and verified, does the model appear in the snapshot.
-    for f in p.files:
+    for f in p.downloads:
         _link(blobs / (f.sha256 or f.blob_id or ""), snapshot / f.path)
     _write_ref(folder, p.revision, p.commit)
     return fetched
@@ -505,7 +535,7 @@ def pull(spec: str, revision: str | None = None, name: str | None = None, *,
         return PullResult(installed, p, 0, True, tuple(notices))
     fetched = 0
     if p.from_cache:
-        missing = [f.path for f in p.files if not (repo_cache_dir(p.repo) / "snapshots" / p.commit / f.path).exists()]
+        missing = [f.path for f in p.downloads if not (p.snapshot / f.path).exists()]
         if missing:
             raise HubError(f"the cached copy of '{p.repo}' lacks {', '.join(missing)}",
                            "unset HF_HUB_OFFLINE and pull again when the Hub is reachable")
@@ -513,14 +543,33 @@ def pull(spec: str, revision: str | None = None, name: str | None = None, *,
         if check_fit:
             _warn_fit(p, context, tell)
         fetched = download(p, progress, cancel)
-    replace = False
+    again = False
     try:
         existing = store.get(p.name)
-        replace = str(repo_cache_dir(p.repo)) in os.path.realpath(existing.path) or existing.source == "hf-cache"
+        again = str(repo_cache_dir(p.repo)) in os.path.realpath(existing.path) or existing.source == "hf-cache"
     except Exception:  # noqa: BLE001 - no such model, or a broken entry: nothing to replace
         pass
-    store.add(p.model_path, name=p.name, source="hub", replace=replace)
+    mmproj = _projector_of(p, tell)
+    store.add(p.model_path, name=p.name, source="hub", replace=again, extra={"mmproj": mmproj} if mmproj else None)
     return PullResult(store.get(p.name), p, fetched, False, tuple(notices))
+
+
+def _projector_of(p: PullPlan, tell: NoticeFn) -> str | None:
+    """The pulled projector's path for the store entry, once its header says it is one."""
+    from localrun.gguf_header import read_gguf
+
+    path = p.projector_path
+    if path is None:
+        return None
+    try:
+        architecture = read_gguf(path, whole_model=False).architecture
+    except Exception as e:  # noqa: BLE001 - a bad projector leaves a text model, said once
+        architecture = f"unreadable ({getattr(e, 'message', e)})"
+    if architecture != "clip":
+        tell(f"'{p.projector.path if p.projector else path.name}' of '{p.repo}' is not a vision projector"
+             f" (architecture {architecture}); the model is installed without it and reads no images")
+        return None
+    return str(path)
 
 
 def _warn_fit(p: PullPlan, context: int | None, tell: NoticeFn) -> None:

@@ -96,8 +96,35 @@ def gguf_choices(files: list[RepoFile]) -> dict[str, list[RepoFile]]:
     return out
 
 
-def _is_projector(path: str) -> bool:
+def is_projector(path: str) -> bool:
+    """Whether a file is a vision model's projector (an `mmproj` GGUF), not a model."""
     return "mmproj" in path.lower().rsplit("/", 1)[-1]
+
+
+# The projector a pull fetches when a repository publishes several: full precision, as llama.cpp's
+# own vision repositories recommend, smallest first.
+_PROJECTOR_PREFERENCE = ("F16", "FP16", "BF16", "F32", "FP32")
+
+
+def projector_choices(files: list[RepoFile], model: list[RepoFile]) -> list[RepoFile]:
+    """The projector files that go with a GGUF model, by name: those in the model's folder, else
+    all of the repository's (a split model often sits in a subfolder below its projector)."""
+    found = sorted((f for f in files if f.path.lower().endswith(".gguf") and is_projector(f.path) and not f.split),
+                   key=lambda f: f.path)
+    if not model or is_projector(model[0].path):
+        return []
+    folder = model[0].path.rpartition("/")[0]
+    beside = [f for f in found if f.path.rpartition("/")[0] == folder]
+    return beside or found
+
+
+def choose_projector(choices: list[RepoFile]) -> RepoFile | None:
+    """F16 when there are several, else BF16, else F32, else the first by name."""
+    for wanted in _PROJECTOR_PREFERENCE:
+        for f in choices:
+            if (f.quant or "").upper() == wanted:
+                return f
+    return choices[0] if choices else None
 
 
 def select(repo: str, files: list[RepoFile], selector: str | None, facts: dict[str, Any]) -> tuple[str, list[RepoFile], str | None]:
@@ -131,7 +158,7 @@ def _select_gguf(repo: str, choices: dict[str, list[RepoFile]], selector: str | 
             if any(selector in (p.path, p.path.rsplit("/", 1)[-1]) for p in parts):
                 return parts, parts[0].quant
         raise HubError(f"'{repo}' has no file '{selector}'", f"run 'localrun search --files {repo}'")
-    candidates = {k: v for k, v in choices.items() if not _is_projector(k)} or choices
+    candidates = {k: v for k, v in choices.items() if not is_projector(k)} or choices
     quants = sorted({v[0].quant or "?" for v in candidates.values()}, key=_rank)
     if selector:
         wanted = selector.upper()

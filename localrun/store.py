@@ -295,6 +295,8 @@ class Store:
             out.append((name, entry["path"], entry.get("format", "gguf"), entry.get("source", "added"), entry))
             if entry.get("kind") != "preset":  # a preset's path is its base's, which stays listed
                 seen_paths.add(os.path.realpath(entry["path"]))
+            if entry.get("mmproj"):  # a projector is part of its model, never a model of its own
+                seen_paths.add(os.path.realpath(entry["mmproj"]))
             names.add(name)
         for name, path, source in self._discovered():
             real = os.path.realpath(path)
@@ -311,7 +313,8 @@ class Store:
         starter = starter_model_path()
         if starter:
             yield STARTER_NAME, str(starter), "starter"
-        yield from hf_cache_ggufs()
+        # A projector (mmproj) in the cache belongs to a model; it is no model of its own.
+        yield from (found for found in hf_cache_ggufs() if "mmproj" not in Path(found[1]).name.lower())
 
     # -- public API ----------------------------------------------------------------------
     def list(self) -> list[ModelInfo]:
@@ -503,8 +506,9 @@ class Store:
                 del data["models"][info.name]
             else:
                 data["hidden"].append(info.name)
+        entries = self._read()["models"].values()
         still_used = any(os.path.realpath(e["path"]) == os.path.realpath(info.path) and e.get("kind") != "preset"
-                         for e in self._read()["models"].values())
+                         for e in entries)
         if still_used:  # another name (localrun cp, /api/copy) still points at the file
             return info
         if info.source == "store":
@@ -513,7 +517,24 @@ class Store:
             for part in split_parts(Path(info.path)) if Path(info.path).is_file() else sorted(Path(info.path).rglob("*")):
                 if part.is_symlink() or part.is_file():
                     _delete_hf_cache_file(part)
+        mmproj = info.details.get("mmproj")
+        real = os.path.realpath(mmproj) if mmproj else ""
+        if mmproj and not any(real in (os.path.realpath(e["path"]), os.path.realpath(e.get("mmproj") or e["path"]))
+                              for e in entries):  # no other model (another quantization) shares it
+            self._delete_projector(Path(mmproj), info.source)
         return info
+
+    def _delete_projector(self, path: Path, source: str) -> None:
+        """A removed model's projector goes with it when localrun put it there: pulled into the Hugging
+        Face cache, or written into the store; one registered with `add --mmproj` stays."""
+        if source == "store":
+            _delete_owned(path, self.models_dir)
+        elif source == "hub" and (path.is_symlink() or path.is_file()):
+            try:
+                path.absolute().relative_to(hf_cache_dir().absolute())
+            except ValueError:
+                return
+            _delete_hf_cache_file(path)
 
     def _info(self, name: str, path: str, fmt: str, source: str, entry: dict[str, Any] | None = None) -> ModelInfo:
         try:

@@ -87,7 +87,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     """Download a model into the Hugging Face cache and install it under a short name.
 
     GGUF repositories: choose the file by quantization (REPO:Q4_K_M; default Q4_K_M, else the
-    closest at or above 4 bits) or by name (REPO:FILE.gguf); split GGUFs are one model.
+    closest at or above 4 bits) or by name (REPO:FILE.gguf); split GGUFs are one model. A vision
+    model's projector (mmproj file) comes with it: F16 when there are several, else BF16, else F32.
     Safetensors and MLX repositories: only the weights, config and tokenizer files.
     Interrupted downloads resume; every file is checked against the Hub's sha256."""
     from localrun import api
@@ -111,14 +112,34 @@ def cmd_pull(args: argparse.Namespace) -> int:
     m = result.model
     if args.json:
         print(json.dumps({**m.to_dict(), "repo": result.plan.repo, "commit": result.plan.commit,
-                          "files": [f.path for f in result.plan.files], "downloaded_bytes": result.downloaded_bytes,
+                          "files": [f.path for f in result.plan.files], "projector": _projector_json(result),
+                          "downloaded_bytes": result.downloaded_bytes,
                           "already_installed": result.already_installed}, indent=2))
-    elif result.already_installed:
+        return 0
+    if result.plan.projector is not None:
+        print(_projector_text(result.plan), file=sys.stderr)
+    if result.already_installed:
         print(f"{m.name} is already installed ({result.plan.repo} at {result.plan.commit[:7]})", file=sys.stderr)
     else:
-        print(f"installed {m.name} ({human_size(m.size)}, {m.quantization or m.format})"
+        kind = ", vision" if m.details.get("mmproj") else ""
+        print(f"installed {m.name} ({human_size(m.size)}, {m.quantization or m.format}{kind})"
               f"; run it with 'localrun run {m.name}'", file=sys.stderr)
     return 0
+
+
+def _projector_text(plan: Any) -> str:
+    """E.g. "projector: mmproj-F16.gguf (878 MB, chosen from 3)"."""
+    f = plan.projector
+    n = len(plan.projector_choices)
+    return f"projector: {f.path} ({human_size(f.size)}" + (f", chosen from {n})" if n > 1 else ")")
+
+
+def _projector_json(result: Any) -> dict[str, Any] | None:
+    p = result.plan
+    if p.projector is None:
+        return None
+    return {"file": p.projector.path, "size": p.projector.size, "chosen_from": list(p.projector_choices),
+            "path": result.model.details.get("mmproj")}
 
 
 def _fit_text(est: Any) -> str:
@@ -127,10 +148,14 @@ def _fit_text(est: Any) -> str:
         ("architecture", est.architecture or "-"),
         *_parameter_rows(est),
         ("weights", human_size(est.weights_bytes)),
+        *([("projector", f"{human_size(est.projector_bytes)} ({est.projector}, loaded with the model)")]
+          if est.projector else []),
         ("KV cache", f"{human_size(est.kv_cache_bytes)} at {est.context} tokens of context"),
         ("buffers", human_size(est.overhead_bytes) + (f" (llama.cpp's compute buffer {human_size(est.compute_bytes)},"
                                                       f" output {human_size(est.output_bytes)})" if est.compute_bytes else "")),
         ("total", human_size(est.total_bytes)),
+        *([("download", human_size(est.download_bytes) + (" (the projector included)" if est.projector else ""))]
+          if est.download_bytes else []),
         ("RAM", f"{human_size(est.ram_available)} available of {human_size(est.ram_total)}"),
     ]
     if est.gpu_name:

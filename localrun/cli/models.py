@@ -257,8 +257,19 @@ def cmd_rm(args: argparse.Namespace) -> int:
     else:
         for m in removed:
             kept = m.source in ("added", "starter", "ollama", "lmstudio")
-            print(f"removed {m.name}" + (f" (file kept at {m.path})" if kept else ""), file=sys.stderr)
+            print(f"removed {m.name}" + (f" (file kept at {m.path})" if kept else "") + _projector_removed(m),
+                  file=sys.stderr)
     return 0
+
+
+def _projector_removed(m: Any) -> str:
+    """What became of a removed vision model's projector: deleted with it, or kept (added in place, shared)."""
+    import os
+
+    mmproj = m.details.get("mmproj")
+    if not mmproj:
+        return ""
+    return f"; projector kept at {mmproj}" if os.path.exists(mmproj) else f" and its projector {os.path.basename(mmproj)}"
 
 
 def cmd_add(args: argparse.Namespace) -> int:
