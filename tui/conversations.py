@@ -3,6 +3,8 @@
 A turn is stored only when its reply is complete: the user message and the assistant reply are
 written in one transaction, so a cancelled or failed reply leaves nothing half-written. A thinking
 model's thought is stored apart from its answer (the `thinking` column), never sent back as content.
+A message's images are kept in the history itself (the `attachments` table, the files' bytes): a
+conversation still shows and sends them when the files have moved or gone.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +23,8 @@ from typing import Any
 from localrun import api
 from localrun.errors import StoreError
 from localrun.generation import GenerationParams
+from localrun.images import to_base64
+from tui.attachments import Attachment
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +51,13 @@ CREATE TABLE IF NOT EXISTS messages (
     thinking TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+CREATE TABLE IF NOT EXISTS attachments (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id, id);
 """
 
 
@@ -58,6 +69,7 @@ class Turn:
     content: str
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
     thinking: str = ""  # an assistant turn's thought, apart from its answer (content)
+    images: tuple[Attachment, ...] = ()  # a user turn's images, shown before its text
 
     def thought_title(self) -> str:
         """'Thought for 3.2 s · 41 tokens', from the turn's stats (what of it is known)."""
@@ -78,11 +90,13 @@ class Conversation:
     message_count: int = 0
     output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec) of params.grammar
 
-    def history(self) -> list[dict[str, str]]:
+    def history(self) -> list[dict[str, Any]]:
         """The messages in the shape `api.build_messages` takes. A turn's thought goes apart from its
         content: the engine gives it to the template under its format's field (Seed-OSS, Bielik,
-        Command A read earlier thoughts), or drops it where the template does."""
-        return [{"role": t.role, "content": t.content, **({"thinking": t.thinking} if t.thinking else {})}
+        Command A read earlier thoughts), or drops it where the template does. A turn's images go
+        again with every later request (the engine finds them in its cache)."""
+        return [{"role": t.role, "content": t.content, **({"thinking": t.thinking} if t.thinking else {}),
+                 **({"images": [a.data for a in t.images]} if t.images else {})}
                 for t in self.turns]
 
 
@@ -214,28 +228,40 @@ class ConversationStore:
             if row is None:
                 raise KeyError(cid)
             msgs = db.execute(
-                "SELECT role, content, stats, thinking FROM messages WHERE conversation_id = ? ORDER BY id", (cid,)
+                "SELECT id, role, content, stats, thinking FROM messages WHERE conversation_id = ? ORDER BY id",
+                (cid,),
             ).fetchall()
-        turns = tuple(Turn(r[0], r[1], json.loads(r[2] or "{}"), r[3] or "") for r in msgs)
+            attached: dict[int, list[Attachment]] = {}
+            for mid, name, data in db.execute(
+                "SELECT a.message_id, a.name, a.data FROM attachments a JOIN messages m ON m.id = a.message_id "
+                "WHERE m.conversation_id = ? ORDER BY a.id", (cid,)
+            ):
+                attached.setdefault(mid, []).append(Attachment(name, bytes(data)))
+        turns = tuple(Turn(r[1], r[2], json.loads(r[3] or "{}"), r[4] or "", tuple(attached.get(r[0], ())))
+                      for r in msgs)
         return _conversation(row, turns, len(turns))
 
     def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None,
-                     thinking: str = "") -> Conversation:
-        """Store a complete exchange (prompt, and reply with its thought) atomically; the first one titles the chat."""
+                     thinking: str = "", images: Sequence[Attachment] = ()) -> Conversation:
+        """Store a complete exchange (prompt with its images, and reply with its thought) atomically;
+        the first one titles the chat."""
         now = time.time()
         with self._connect() as db:
             n = db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0]
-            db.execute(
+            cur = db.execute(
                 "INSERT INTO messages (conversation_id, role, content, stats, created) VALUES (?, 'user', ?, '{}', ?)",
                 (cid, user, now),
             )
+            db.executemany("INSERT INTO attachments (message_id, name, data) VALUES (?, ?, ?)",
+                           [(cur.lastrowid, a.name, a.data) for a in images])
             db.execute(
                 "INSERT INTO messages (conversation_id, role, content, stats, created, thinking) "
                 "VALUES (?, 'assistant', ?, ?, ?, ?)",
                 (cid, reply, json.dumps(stats or {}), now, thinking),
             )
             if n == 0:
-                db.execute("UPDATE conversations SET title = ? WHERE id = ?", (_title(user), cid))
+                db.execute("UPDATE conversations SET title = ? WHERE id = ?",
+                           (_title(user or ", ".join(a.name for a in images)), cid))
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, cid))
         return self.get(cid)
 
@@ -269,11 +295,14 @@ class ConversationStore:
     def delete(self, cid: int) -> None:
         """Delete a conversation and its messages."""
         with self._connect() as db:
+            db.execute("DELETE FROM attachments WHERE message_id IN "
+                       "(SELECT id FROM messages WHERE conversation_id = ?)", (cid,))
             db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
             db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
 
     def export_markdown(self, cid: int) -> str:
-        """The conversation as a Markdown document; a thought is a collapsed <details> block before its answer."""
+        """The conversation as a Markdown document; a thought is a collapsed <details> block before its
+        answer, an image a line naming it before its message's text."""
         conv = self.get(cid)
         lines = [f"# {conv.title}", "", f"Model: `{conv.model}`", ""]
         if conv.system:
@@ -283,17 +312,22 @@ class ConversationStore:
             if t.thinking:
                 lines += ["<details>", f"<summary>{t.thought_title()}</summary>", "", t.thinking.strip(), "",
                           "</details>", ""]
+            lines += [f"*[image {a.label}]*" for a in t.images] + ([""] if t.images else [])
             lines += [t.content, ""]
         return "\n".join(lines)
 
     def export_json(self, cid: int) -> dict[str, Any]:
-        """The conversation as JSON: its settings and each message, a thought in its `thinking` field."""
+        """The conversation as JSON: its settings and each message, a thought in its `thinking` field,
+        images as base64 in `images` (Ollama's shape) with their file names in `image_names`."""
         conv = self.get(cid)
         messages: list[dict[str, Any]] = []
         for t in conv.turns:
             m: dict[str, Any] = {"role": t.role, "content": t.content}
             if t.thinking:
                 m["thinking"] = t.thinking
+            if t.images:
+                m["images"] = [to_base64(a.data) for a in t.images]
+                m["image_names"] = [a.name for a in t.images]
             if t.stats:
                 m["stats"] = t.stats
             messages.append(m)

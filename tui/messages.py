@@ -41,12 +41,14 @@ class ReplyDone(Message):
 
 
 class ReplyFailed(Message):
-    """The reply failed (engine error or crash); nothing was stored."""
+    """The reply failed (engine error or crash), or the model refused the message (`refused`: an
+    image a text-only model cannot read); nothing was stored."""
 
-    def __init__(self, generation: int, error: str) -> None:
+    def __init__(self, generation: int, error: str, refused: bool = False) -> None:
         super().__init__()
         self.generation = generation
         self.error = error
+        self.refused = refused
 
 
 class ModelLoaded(Message):

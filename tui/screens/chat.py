@@ -1,5 +1,5 @@
-"""The Chat: streamed Markdown replies (a thinking model's thought in a block above), stop,
-regenerate, settings, saved conversations."""
+"""The Chat: streamed Markdown replies (a thinking model's thought in a block above), images
+attached to messages, stop, regenerate, settings, saved conversations."""
 
 from __future__ import annotations
 
@@ -18,12 +18,23 @@ from textual.widgets import Footer, Input, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from localrun import api
-from localrun.errors import EngineCrashedError, LocalrunError
+from localrun.errors import EngineCrashedError, LocalrunError, UsageError
 from localrun.generation import GenerationParams
+from tui import attachments
+from tui.attachments import Attachment
 from tui.conversations import Conversation, Turn
 from tui.messages import ReplyDone, ReplyFailed, ReplyText
 from tui.screens.dialogs import ChatSettings, ConversationsScreen, SettingsScreen, output_label
-from tui.widgets.chat import AssistantMessage, StatusBar, ThinkingBlock, UserMessage
+from tui.screens.image_picker import ImagePickerScreen
+from tui.widgets.attachments import AttachmentTray, PendingImageChip
+from tui.widgets.chat import (
+    AssistantMessage,
+    PromptInput,
+    ReplyError,
+    StatusBar,
+    ThinkingBlock,
+    UserMessage,
+)
 from tui.widgets.navbar import NavBar
 
 # Streamed text reaches the UI at most this often: on 2 cores each Markdown update takes CPU
@@ -42,6 +53,7 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+n", "new", "New"),
         Binding("ctrl+g", "thought", "Thought", show=False),
+        Binding("ctrl+f", "attach", "Image", show=False),
         # priority: the prompt (an Input) would take ctrl+e as "end of line" otherwise
         Binding("ctrl+e", "export", "Export", show=False, priority=True),
     ]
@@ -56,6 +68,8 @@ class ChatScreen(Screen[None]):
         self._reply_widget: AssistantMessage | None = None
         self._user_widget: UserMessage | None = None
         self._pending_prompt = ""
+        self._pending_images: tuple[Attachment, ...] = ()
+        self.picker_folder = Path.cwd()  # where the image picker opens: the last attached image's folder
         self._regenerating = False
         self.stream_updates = 0  # text pieces shown while streaming (tests, benchmark)
 
@@ -65,13 +79,19 @@ class ChatScreen(Screen[None]):
             yield Static("Pick a model in the Library (F2) and press Enter to chat, or resume a saved "
                          "conversation with Ctrl+O.", id="chat-empty", markup=False)
         with Vertical(id="chat-bottom"):
-            yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt", disabled=True)
+            yield AttachmentTray()
+            yield PromptInput(placeholder="Message (Enter sends, Esc stops)", id="prompt", disabled=True)
             yield StatusBar()
         yield Footer()
 
     @property
     def status(self) -> StatusBar:
         return self.query_one(StatusBar)
+
+    @property
+    def tray(self) -> AttachmentTray:
+        """The images attached to the next message."""
+        return self.query_one(AttachmentTray)
 
     # -- opening conversations ---------------------------------------------------------------
     async def open_model(self, model: str) -> None:
@@ -97,9 +117,11 @@ class ChatScreen(Screen[None]):
         self.conversation = conv
         box = self.query_one("#messages", VerticalScroll)
         await box.remove_children()
+        await self.tray.take()  # attached for the conversation left
         widgets: list[Any] = []
         for turn in conv.turns:
-            widgets.extend([UserMessage(turn.content)] if turn.role == "user" else _reply_widgets(turn))
+            widgets.extend(UserMessage(turn.content, turn.images).widgets() if turn.role == "user"
+                           else _reply_widgets(turn))
         if widgets:
             await box.mount_all(widgets)
         box.scroll_end(animate=False)
@@ -121,23 +143,60 @@ class ChatScreen(Screen[None]):
     @on(Input.Submitted, "#prompt")
     async def _submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
-        if not text or self.conversation is None:
+        if self.conversation is None:
+            return
+        command, _, rest = text.partition(" ")
+        path = attachments.unquoted(rest) if command == "/image" else attachments.pasted_image(text)
+        if command == "/image" and not path:
+            event.input.value = ""
+            self.action_attach()
+            return
+        if path:  # /image PATH, or the prompt is one path to an image file
+            if await self.attach(path):
+                event.input.value = ""
+            return
+        if not text and not self.tray.items:
             return
         if self.generating:
             self.notify("A reply is still being written; Esc stops it", severity="warning")
             return
         event.input.value = ""
-        await self.send(text)
+        await self.send(text, await self.tray.take())
 
-    async def send(self, text: str) -> None:
-        """Show the prompt and stream a reply to it."""
+    async def attach(self, path: str | Path) -> bool:
+        """Attach the image file at path to the next message; an unreadable one is an error notice."""
+        try:
+            attachment = attachments.read(path)
+        except LocalrunError as e:
+            self.notify(str(e), severity="error", timeout=10)
+            return False
+        await self.tray.add(attachment)
+        self.picker_folder = Path(path).expanduser().absolute().parent
+        return True
+
+    @on(PromptInput.ImagePasted)
+    async def _image_pasted(self, event: PromptInput.ImagePasted) -> None:
+        await self.attach(event.path)
+
+    @on(PromptInput.BackspaceEmpty)
+    async def _backspace_empty(self) -> None:
+        await self.tray.pop()
+
+    @on(PendingImageChip.Removed)
+    async def _chip_removed(self, event: PendingImageChip.Removed) -> None:
+        await self.tray.discard(event.chip)
+        self.query_one("#prompt", Input).focus()
+
+    async def send(self, text: str, images: tuple[Attachment, ...] = ()) -> None:
+        """Show the prompt (its images above it) and stream a reply to it."""
         assert self.conversation is not None
         box = self.query_one("#messages", VerticalScroll)
-        self._user_widget = UserMessage(text)
-        await box.mount(self._user_widget)
-        await self._start(text, self.conversation.history(), regenerate=False)
+        self._user_widget = UserMessage(text, images)
+        await box.mount_all(self._user_widget.widgets())
+        await self._start(text, images, self.conversation.history(), regenerate=False)
 
-    async def _start(self, prompt: str, history: list[dict[str, str]], regenerate: bool) -> None:
+    async def _start(self, prompt: str, images: tuple[Attachment, ...], history: list[dict[str, Any]],
+                     regenerate: bool) -> None:
         assert self.conversation is not None
         box = self.query_one("#messages", VerticalScroll)
         self._reply_widget = AssistantMessage()
@@ -145,6 +204,7 @@ class ChatScreen(Screen[None]):
         box.scroll_end(animate=False)
         self._stream = Markdown.get_stream(self._reply_widget)
         self._pending_prompt = prompt
+        self._pending_images = images
         self._regenerating = regenerate
         self.generation += 1
         self.generating = True
@@ -152,11 +212,12 @@ class ChatScreen(Screen[None]):
         state = "loading model…" if _loaded_model(self.app, self.conversation.model) is None else "generating…"
         self.status.show(state=state, tokens_per_second=None)
         conv = self.conversation
-        self._generate(self.generation, conv.model, prompt, conv.system, history, conv.params, self.cancel)
+        self._generate(self.generation, conv.model, prompt, [a.data for a in images], conv.system, history,
+                       conv.params, self.cancel)
 
     @work(thread=True, group="generate")
-    def _generate(self, generation: int, model: str, prompt: str, system: str, history: list[dict[str, str]],
-                  params: GenerationParams, cancel: threading.Event) -> None:
+    def _generate(self, generation: int, model: str, prompt: str, images: list[bytes], system: str,
+                  history: list[dict[str, Any]], params: GenerationParams, cancel: threading.Event) -> None:
         """The engine's token loop, off the UI thread; text and thought are posted in coalesced pieces."""
         models: Any = self.app.models  # type: ignore[attr-defined]
         parts: list[str] = []
@@ -171,12 +232,13 @@ class ChatScreen(Screen[None]):
                 pending.clear()
                 thought.pending.clear()
         loaded = model
+        seen = bool(images) or any(m.get("images") for m in history)  # the request shows the model images
         try:
             target = api.resolve_target(model)  # a model, an adapter, or base+adapter
             loaded = target.model.name
             with api.use_target(models, target, keep_alive=-1) as (session, engine):
                 self.app.call_from_thread(self._loaded, generation)
-                request = target.request(api.build_messages(prompt, system or None, history))
+                request = target.request(api.build_messages(prompt, system or None, history, images))
                 for chunk in api.stream(session, request, target.params(target.under(params), engine), cancel):
                     if chunk.done:
                         thought.end()
@@ -184,6 +246,8 @@ class ChatScreen(Screen[None]):
                         stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                                  "completion_tokens": chunk.completion_tokens,
                                  "tokens_per_second": round(chunk.tokens_per_second, 2)}
+                        if seen:  # 0: every image was found in the engine's cache
+                            stats["images_encoded"] = chunk.images_encoded
                         if chunk.drafted_tokens:
                             stats["drafted_tokens"] = chunk.drafted_tokens
                             stats["accepted_tokens"] = chunk.accepted_tokens
@@ -203,6 +267,8 @@ class ChatScreen(Screen[None]):
         except EngineCrashedError as e:
             models.unload(loaded)  # the next request loads it again
             self.post_message(ReplyFailed(generation, str(e)))
+        except UsageError as e:  # this message's fault (images a text-only model cannot read)
+            self.post_message(ReplyFailed(generation, str(e), refused=True))
         except LocalrunError as e:
             self.post_message(ReplyFailed(generation, str(e)))
         except Exception as e:  # noqa: BLE001 - whatever happens, the app keeps running
@@ -263,7 +329,7 @@ class ChatScreen(Screen[None]):
             self.conversation = store.replace_last_reply(self.conversation.id, message.text, stats, message.thinking)
         else:
             self.conversation = store.add_exchange(self.conversation.id, self._pending_prompt, message.text, stats,
-                                                   message.thinking)
+                                                   message.thinking, self._pending_images)
         if self._reply_widget is not None:
             self._reply_widget.text = message.text
         if self._thought_widget is not None:
@@ -284,8 +350,30 @@ class ChatScreen(Screen[None]):
         if message.generation != self.generation:
             return
         await self._finish_stream()
-        await self._discard(message.error, error=True)
+        if message.refused and not self._regenerating:
+            await self._refused(message.error)
+        else:
+            await self._discard(message.error, error=True)
         self.generating = False  # after the error is shown and the exchange removed
+
+    async def _refused(self, error: str) -> None:
+        """The model refused the message: the error stays in its reply's place, the message above it
+        (not kept); its text goes back to the prompt to send again without what was refused."""
+        if self._thought_widget is not None:
+            await self._thought_widget.remove()
+        if self._reply_widget is not None:
+            await self.query_one("#messages", VerticalScroll).mount(ReplyError(error), before=self._reply_widget)
+            await self._reply_widget.remove()
+        if self._user_widget is not None:
+            self._user_widget.add_class("-refused")
+            if self._user_widget.chips is not None:
+                self._user_widget.chips.add_class("-refused")
+        prompt = self.query_one("#prompt", Input)
+        if not prompt.value:
+            prompt.value = self._pending_prompt
+        self._user_widget = self._reply_widget = None
+        self.status.show(state="ready")
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     async def _discard(self, note: str, error: bool = False) -> None:
         """Remove the unfinished exchange from the view; the stored conversation never had it."""
@@ -298,10 +386,13 @@ class ChatScreen(Screen[None]):
             if last is not None:  # put the kept reply back
                 await self.query_one("#messages", VerticalScroll).mount_all(_reply_widgets(last))
         elif self._user_widget is not None:
-            await self._user_widget.remove()
+            await self._user_widget.remove_all()
             prompt = self.query_one("#prompt", Input)
             if not prompt.value:
                 prompt.value = self._pending_prompt  # give the prompt back to edit or resend
+            if not self.tray.items:
+                for image in self._pending_images:  # and its images
+                    await self.tray.add(image)
         self._user_widget = self._reply_widget = None
         self.status.show(state="ready" if not error else "error")
         self.notify(note, severity="error" if error else "information", timeout=10 if error else 4)
@@ -325,7 +416,7 @@ class ChatScreen(Screen[None]):
             if last.thought is not None:
                 await last.thought.remove()
             await last.remove()
-        await self._start(conv.turns[-2].content, conv.history()[:-2], regenerate=True)
+        await self._start(conv.turns[-2].content, conv.turns[-2].images, conv.history()[:-2], regenerate=True)
 
     def last_reply(self) -> str | None:
         conv = self.conversation
@@ -351,6 +442,19 @@ class ChatScreen(Screen[None]):
         block.collapsed = not block.collapsed
         if not block.collapsed:
             block.scroll_visible(animate=False)
+
+    def action_attach(self) -> None:
+        """Pick an image file to attach to the next message."""
+        if self.conversation is None:
+            self.notify("Open a model or a conversation first", severity="warning")
+            return
+
+        async def done(path: Path | None) -> None:
+            if path is not None:
+                await self.attach(path)
+            self.query_one("#prompt", Input).focus()
+
+        self.app.push_screen(ImagePickerScreen(self.picker_folder), done)
 
     def action_settings(self) -> None:
         conv = self.conversation

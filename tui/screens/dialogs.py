@@ -91,6 +91,8 @@ Chat      Enter   send                  Esc     stop (nothing is kept)
           Ctrl+S  system prompt, sampling, structured output of this chat
           Ctrl+O  saved conversations   Ctrl+N  new conversation
           Ctrl+E  export the conversation to Markdown
+          Ctrl+F  attach an image (or type /image PATH, or paste its path)
+          Backspace in the empty prompt, or a click, takes an image off
 
 Discover  type to search; Enter opens a repository or downloads a file
           c       cancel the highlighted download

@@ -1,20 +1,70 @@
-"""The pieces of the chat screen: messages, a thinking model's thought, and the status bar."""
+"""The pieces of the chat screen: the prompt, messages (a user's with its images), a thinking
+model's thought, a refused message's error, and the status bar."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from textual.widgets import Collapsible, Markdown, Static
+from textual import events
+from textual.message import Message
+from textual.widgets import Collapsible, Input, Markdown, Static
 
+from tui.attachments import Attachment, pasted_image
 from tui.conversations import thought_title
+from tui.widgets.attachments import ImageChips
+
+
+class PromptInput(Input):
+    """The chat's prompt. A path to an image file pasted into it while empty attaches the image;
+    Backspace in it while empty takes the last attached image off."""
+
+    class ImagePasted(Message):
+        """The whole paste was one path to an existing image file."""
+
+        def __init__(self, path: Path) -> None:
+            super().__init__()
+            self.path = path
+
+    class BackspaceEmpty(Message):
+        """Backspace with nothing to delete."""
+
+    def _on_paste(self, event: events.Paste) -> None:
+        path = pasted_image(event.text) if not self.value.strip() else None
+        if path is not None:
+            event.prevent_default()  # Input's own handler would type the path in
+            event.stop()
+            self.post_message(self.ImagePasted(path))
+
+    def action_delete_left(self) -> None:
+        if not self.value and self.selection.is_empty:
+            self.post_message(self.BackspaceEmpty())
+            return
+        super().action_delete_left()
 
 
 class UserMessage(Static):
-    """A prompt as typed (no markup interpretation)."""
+    """A prompt as typed (no markup interpretation), its images' chips above it."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, images: Sequence[Attachment] = ()) -> None:
         super().__init__(text, markup=False, classes="message user")
         self.text = text
+        self.images = tuple(images)
+        self.chips = ImageChips(images) if images else None
+        if images:
+            self.add_class("-with-images")
+            self.display = bool(text)  # an image sent alone is its chips
+
+    def widgets(self) -> list[Any]:
+        """What the conversation mounts for it: the chips, then the text."""
+        return [self.chips, self] if self.chips is not None else [self]
+
+    async def remove_all(self) -> None:
+        """Take it and its chips out of the conversation."""
+        if self.chips is not None:
+            await self.chips.remove()
+        await self.remove()
 
 
 class AssistantMessage(Markdown):
@@ -24,6 +74,14 @@ class AssistantMessage(Markdown):
         super().__init__(text, classes="message assistant")
         self.text = text
         self.thought: ThinkingBlock | None = None  # the block above it, when the model thought first
+
+
+class ReplyError(Static):
+    """In place of a reply: why the model refused the message (nothing of it was kept)."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"{error}\n(this message was not kept)", markup=False, classes="message")
+        self.error = error
 
 
 class ThinkingBlock(Collapsible):
