@@ -6,6 +6,7 @@
     convert.quantize("model-f16.gguf", "model-q4_k_m.gguf", "q4_k_m")
     convert.convert_adapter("path/to/peft-lora", "path/to/hf-folder")  # a llama.cpp LoRA adapter
     convert.convert("path/to/hf-folder", "merged.gguf", lora=[("path/to/peft-lora", 1.0)])
+    convert.convert("path/to/qwen2-vl", "vl-q4_k_m.gguf", outtype="q4_k_m")  # + mmproj-vl-f16.gguf
 
 Never imports localrun; torch only for pickled .bin files and in-memory modules, llama_cpp only in
 the quantization child process.

@@ -79,12 +79,37 @@ class Checkpoint:
         tensors = merge_tensors(self.tensors, self.arch, self.name, adapters)
         return dataclasses.replace(self, tensors=tensors, dtypes=frozenset(self.source_dtypes()))
 
+    def projector(self) -> Checkpoint | None:
+        """The same weights as the vision projector's checkpoint (a vision-language family), else None."""
+        cls = self.arch.projector
+        if cls is None:
+            return None
+        arch = cls(self.config, processor_config(self.tokenizer_dir))
+        return dataclasses.replace(self, arch=arch)
+
     def embedding_rows(self) -> int | None:
         for name, t in self.tensors.items():
             if name.endswith("embed_tokens.weight"):
                 return t.shape[0]
         vocab = self.config.get("vocab_size")
         return int(vocab) if vocab else None
+
+
+def processor_config(folder: Path) -> dict[str, Any]:
+    """The image processor's settings (mean, std, sizes) of a checkpoint folder: preprocessor_config.json
+    with processor_config.json's image_processor over it, as llama.cpp's converter merges them."""
+    out: dict[str, Any] = {}
+    for file, nested in (
+        ("preprocessor_config.json", "media_proc_cfg"),
+        ("processor_config.json", "image_processor"),
+    ):
+        path = folder / file
+        if path.is_file():
+            cfg = read_json(path)
+            if isinstance(cfg.get(nested), dict):
+                cfg = {**cfg, **cfg[nested]}
+            out.update(cfg)
+    return out
 
 
 # --- merging into the weights ---------------------------------------------------------------------
@@ -233,9 +258,10 @@ def _open_gguf_base(path: Path) -> BaseModel:
     gguf_arch = value("general.architecture")
     # The first registered Hugging Face name whose Arch writes this GGUF architecture.
     by_gguf: dict[str, str] = {}
-    for hf_name in supported():
-        cls = arch_for({"architectures": [hf_name]})
-        by_gguf.setdefault(gguf.MODEL_ARCH_NAMES[cls.gguf_arch], hf_name)
+    classes = {name: arch_for({"architectures": [name]}) for name in supported()}
+    # text families first: a vision-language family may write the same text architecture (llama)
+    for hf_name in sorted(classes, key=lambda name: classes[name].projector is not None):
+        by_gguf.setdefault(gguf.MODEL_ARCH_NAMES[classes[hf_name].gguf_arch], hf_name)
     hf = by_gguf.get(str(gguf_arch))
     if hf is None:
         raise ConvertError(

@@ -26,6 +26,7 @@ from convert.lora import (
     read_adapter,
     read_adapters,
 )
+from convert.mmproj import plan_projector
 from convert.plan import Plan, build_plan
 from convert.progress import ProgressCallback
 from convert.quantize import quantize_file
@@ -49,6 +50,7 @@ class Result:
     path: Path
     plan: Plan
     seconds: float
+    mmproj: Result | None = None  # a vision-language checkpoint's projector file, written beside
 
 
 def default_out(ckpt: Checkpoint, folder: Path, outtype: str, adapters: Sequence[str] = ()) -> Path:
@@ -92,22 +94,34 @@ def run(
     threads: int | None = None,
     lora: LoraSpec | None = None,
     before_write: Callable[[Result], None] | None = None,
+    mmproj_outtype: str | None = None,
 ) -> Result:
     """Plan, check, write (and quantize) one checkpoint, with LoRA adapters merged if given.
 
     before_write: called with the planned result (path and plan) once the plan, the tokenizer and
-    the output path are checked, before anything is written; an exception from it stops there."""
+    the output path are checked, before anything is written; an exception from it stops there.
+    mmproj_outtype: set, a vision-language checkpoint's projector is written too, beside out."""
     if lora:
         ckpt = ckpt.merge(read_adapters(lora))  # checks every shape before any writing
     plan, specs = build_plan(ckpt, out, outtype, Path(imatrix) if imatrix else None)
     metadata = _metadata(ckpt, plan, name)  # reads the tokenizer: fails before any writing
+    job = None
+    if mmproj_outtype is not None:
+        job = plan_projector(ckpt, plan, mmproj_outtype, name)
+    projected = Result(job.plan.out, job.plan, 0.0) if job else None
     if dry_run:
-        return Result(out, plan, 0.0)
+        return Result(out, plan, 0.0, projected)
     check_target(out, force)
+    if job:
+        check_target(job.plan.out, force)
     if before_write is not None:
-        before_write(Result(out, plan, 0.0))
+        before_write(Result(out, plan, 0.0, projected))
     remove_stale_temps(out)
-    check_space(out.parent, plan.gguf_bytes + (plan.final_bytes if plan.quantized else 0))
+    needed = plan.gguf_bytes + (plan.final_bytes if plan.quantized else 0)
+    if job:
+        remove_stale_temps(job.plan.out)
+        needed += job.plan.gguf_bytes
+    check_space(out.parent, needed)
     start = time.monotonic()
     with atomic_output(out) as tmp:
         if not plan.quantized:
@@ -120,7 +134,13 @@ def run(
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     inter.unlink()
-    return Result(out, plan, time.monotonic() - start)
+        if job:
+            # inside the model's own atomic write: a failure here leaves neither file
+            projector_start = time.monotonic()
+            with atomic_output(job.plan.out) as ptmp:
+                write_model(job.ckpt, job.plan, job.specs, ptmp, job.metadata, progress, threads)
+            projected = Result(job.plan.out, job.plan, time.monotonic() - projector_start)
+    return Result(out, plan, time.monotonic() - start, projected)
 
 
 def convert(
@@ -136,8 +156,9 @@ def convert(
     threads: int | None = None,
     lora: LoraSpec | None = None,
     before_write: Callable[[Result], None] | None = None,
+    mmproj_outtype: str = "auto",
 ) -> Result:
-    """Convert a Hugging Face model folder to GGUF.
+    """Convert a Hugging Face model folder to GGUF (and a vision-language one's projector).
 
     Args:
         src: folder with config.json, *.safetensors or pytorch_model*.bin, and tokenizer files.
@@ -154,9 +175,12 @@ def convert(
             up. modules_to_save weights replace the base tensor (the scale does not apply).
         before_write: called with the planned Result (output path and plan) before anything is
             written (e.g. to choose or refuse a name for the output).
+        mmproj_outtype: a vision-language checkpoint's projector (llama.cpp's mmproj file, written
+            beside the model as mmproj-<model file name>, the type in that name made its own):
+            auto (the model's type for f32/f16/bf16, else f16), f32, f16, bf16 or q8_0.
 
     Returns:
-        Result with the output path, the plan and the time taken.
+        Result with the output path, the plan and the time taken; Result.mmproj the projector's.
 
     Raises:
         ConvertError: unsupported architecture or tokenizer, bad files, existing output, no space,
@@ -182,6 +206,7 @@ def convert(
         threads=threads,
         lora=adapters,
         before_write=before_write,
+        mmproj_outtype=mmproj_outtype,
     )
 
 

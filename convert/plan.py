@@ -112,6 +112,8 @@ def specs(ckpt: Checkpoint) -> list[TensorSpec]:
                 _check_pieces(ckpt, spec)
             seen.add(spec.name)
             out.append(spec)
+    if not ckpt.arch.has_vocab:
+        return out + ckpt.arch.extra_tensors()  # a projector: no embeddings, no output matrix
     embeddings = next((s for s in out if s.name == _TOKEN_EMBD), None)
     if embeddings is None:
         raise ConvertError("the checkpoint has no token embeddings", "the weights look incomplete")
@@ -168,7 +170,7 @@ def build_plan(
     planned: list[PlannedTensor] = []
     all_specs = specs(ckpt)
     for s in all_specs:
-        qtype = s.qtype if s.qtype is not None else outtypes.tensor_type(s.name, s.shape, wtype)
+        qtype = s.qtype if s.qtype is not None else ckpt.arch.tensor_type(s.name, s.shape, wtype)
         src_dtype = ckpt.tensors[s.source].dtype if s.source else "F32"
         planned.append(
             PlannedTensor(

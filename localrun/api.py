@@ -421,6 +421,7 @@ def convert_checkpoint(
     progress: Callable[[convert.Progress], None] | None = None,
     lora: Sequence[tuple[str, float]] = (),
     before_write: Callable[[convert.Result], None] | None = None,
+    mmproj_outtype: str = "auto",
 ) -> convert.Result:
     """Convert a Hugging Face checkpoint folder to GGUF without registering it.
 
@@ -434,9 +435,10 @@ def convert_checkpoint(
         progress: called after each tensor with a convert.Progress event.
         lora: PEFT LoRA folders and scales merged into the weights before conversion.
         before_write: called with the planned convert.Result before anything is written.
+        mmproj_outtype: a vision-language checkpoint's projector type (auto: F16 when quantized).
 
     Returns:
-        convert.Result: the output path, the plan and the time taken.
+        convert.Result: the output path, the plan and the time taken (.mmproj: the projector's).
 
     Raises:
         ConversionError: unsupported architecture, unreadable checkpoint, not enough disk space.
@@ -452,7 +454,8 @@ def convert_checkpoint(
 
     try:
         return convert.convert(src, out, outtype=outtype, imatrix=imatrix, force=force, dry_run=dry_run,
-                               progress=progress, lora=list(lora) or None, before_write=checked)
+                               progress=progress, lora=list(lora) or None, before_write=checked,
+                               mmproj_outtype=mmproj_outtype)
     except convert.ConvertError as e:
         raise ConversionError(e.message, e.hint) from e
     except OSError as e:
@@ -496,7 +499,8 @@ def convert_model(
 
     result = convert_checkpoint(src, out, outtype=outtype, imatrix=imatrix, force=force, progress=progress,
                                 before_write=choose)
-    return add_model(result.path, name=chosen[0], replace=force and name is not None, converted_from=src)
+    return add_model(result.path, name=chosen[0], replace=force and name is not None, converted_from=src,
+                     mmproj=result.mmproj.path if result.mmproj else None)
 
 
 def conversion_name(out: str | os.PathLike[str], src: str | os.PathLike[str], outtype: str,

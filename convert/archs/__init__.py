@@ -43,10 +43,22 @@ def supported() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def supported_vision() -> list[str]:
+    """The registered Hugging Face architecture names that come with a projector, sorted."""
+    _load_all()
+    return sorted(name for name, cls in _REGISTRY.items() if cls.projector is not None)
+
+
 def arch_for(config: dict) -> type[Arch]:
     """The Arch class for a config.json, or a ConvertError naming the supported ones."""
     _load_all()
-    names = config.get("architectures") or []
+    # transformers 4.57 saves a Qwen2-VL's model class only in text_config
+    text = config.get("text_config")
+    names = (
+        config.get("architectures")
+        or (text.get("architectures") if isinstance(text, dict) else None)
+        or []
+    )
     if not names:
         raise ConvertError(
             "config.json has no 'architectures' entry",
@@ -55,10 +67,15 @@ def arch_for(config: dict) -> type[Arch]:
     for name in names:
         if name in _REGISTRY:
             return _REGISTRY[name]
+    if isinstance(config.get("vision_config"), dict):
+        raise ConvertError(
+            f"vision-language architecture {names[0]!r} is not supported yet",
+            f"vision-language architectures the converter supports: {', '.join(supported_vision())}",
+        )
     raise ConvertError(
         f"architecture {names[0]!r} is not supported",
         f"supported architectures: {', '.join(supported())}",
     )
 
 
-__all__ = ["Arch", "TensorSpec", "arch_for", "register", "supported"]
+__all__ = ["Arch", "TensorSpec", "arch_for", "register", "supported", "supported_vision"]

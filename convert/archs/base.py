@@ -6,12 +6,16 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gguf
 import numpy as np
 
+from convert import outtypes
 from convert.errors import ConvertError
+
+if TYPE_CHECKING:
+    from convert.archs.projector import Projector
 
 # Tensors that hold no weights llama.cpp uses.
 SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
@@ -83,6 +87,11 @@ class Arch:
     # llama.cpp's graph reads output.weight even when the embeddings are tied: the plan copies
     # the embeddings there if the checkpoint has no output matrix.
     output_required: ClassVar[bool] = False
+    # A vision-language family: the Arch of its projector file (mmproj), written beside the text
+    # model from the same checkpoint.
+    projector: ClassVar[type[Projector] | None] = None
+    # The file carries a vocabulary and token embeddings (a projector has neither).
+    has_vocab: ClassVar[bool] = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         if isinstance(config.get("text_config"), dict):
@@ -212,6 +221,12 @@ class Arch:
 
     def transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
         return None
+
+    def tensor_type(
+        self, name: str, shape: tuple[int, ...], outtype: gguf.GGMLQuantizationType
+    ) -> gguf.GGMLQuantizationType:
+        """The GGUF type of one tensor for a directly written output type."""
+        return outtypes.tensor_type(name, shape, outtype)
 
     def extra_tensors(self) -> list[TensorSpec]:
         """Tensors computed from the config (rope factors)."""

@@ -36,9 +36,10 @@ class Gemma2(GemmaBase):
 
     def write_hparams(self, w: gguf.GGUFWriter) -> None:
         super().write_hparams(w)
-        hd = self.head_dim()
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        if self.config.get("head_dim") is None:  # else written already, from the config
+            hd = self.head_dim()
+            w.add_key_length(hd)
+            w.add_value_length(hd)
         if (cap := self.get("attn_logit_softcapping")) is not None:
             w.add_attn_logit_softcapping(float(cap))
         if (cap := self.get("final_logit_softcapping")) is not None:

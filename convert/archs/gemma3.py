@@ -15,9 +15,10 @@ class Gemma3(GemmaBase):
 
     def write_hparams(self, w: gguf.GGUFWriter) -> None:
         super().write_hparams(w)
-        hd = self.head_dim()
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        if self.config.get("head_dim") is None:  # else written already, from the config
+            hd = self.head_dim()
+            w.add_key_length(hd)
+            w.add_value_length(hd)
         if cap := self.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(float(cap))
         self.write_swa(w)

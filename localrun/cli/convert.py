@@ -33,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--imatrix", metavar="FILE", help="importance matrix for llama.cpp quantization types"
     )
+    p.add_argument(
+        "--mmproj-outtype", metavar="TYPE", default="auto", choices=("auto", "f32", "f16", "bf16", "q8_0"),
+        help="a vision-language model's projector (mmproj-*.gguf, written beside the model): auto (the "
+        "model's f32/f16/bf16; f16 when the model is quantized), f32, f16, bf16 or q8_0",
+    )
     p.add_argument("--name", help="name in the model store (default: from the file name, or from the "
                    "model where another model has that name)")
     p.add_argument(
@@ -98,10 +103,11 @@ def _convert_module() -> Any:
     return convert
 
 
-def _register(path: Any, name: str | None, replace: bool = False, converted_from: str | None = None) -> None:
+def _register(path: Any, name: str | None, replace: bool = False, converted_from: str | None = None,
+              mmproj: Any = None) -> None:
     from localrun import api
 
-    info = api.add_model(path, name=name, replace=replace, converted_from=converted_from)
+    info = api.add_model(path, name=name, replace=replace, converted_from=converted_from, mmproj=mmproj)
     print(f"registered as {info.name}", file=sys.stderr)
 
 
@@ -111,6 +117,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     Architectures: Llama (2/3.x, TinyLlama, SmolLM), Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3.
     f32/f16/bf16/q8_0 are written directly; other types go through llama.cpp's quantizer from a
     temporary F16/BF16 file. The result is registered in the model store and its path printed.
+
+    A vision-language checkpoint (Qwen2-VL, Qwen2.5-VL, Gemma 3, SmolVLM / Idefics3) becomes two files: the text model and its
+    projector beside it, mmproj-<model file name> with the type in that name made the projector's
+    (F16 when the model is quantized; see --mmproj-outtype). The model is registered with its
+    projector; both paths are printed, the model's first.
 
     With --to mlx: an MLX folder through mlx-lm (weights keep their precision unless --q-bits).
 
@@ -139,18 +150,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     progress = None if args.dry_run else _convert_module().StderrProgress()
     res = api.convert_checkpoint(args.src, args.output, outtype=args.outtype, imatrix=args.imatrix,
                                  force=args.force, dry_run=args.dry_run, progress=progress, lora=lora,
-                                 before_write=choose_name)
+                                 before_write=choose_name, mmproj_outtype=args.mmproj_outtype)
+    projector = res.mmproj
     if args.dry_run:
         print(res.plan.describe())
+        if projector is not None:
+            print(f"\nprojector:\n{projector.plan.describe()}")
         return 0
     print(
         f"wrote {res.path} ({res.path.stat().st_size / 1e9:.2f} GB) in {res.seconds:.1f}s",
         file=sys.stderr,
     )
+    if projector is not None:
+        print(f"wrote the projector {projector.path} ({projector.path.stat().st_size / 1e9:.2f} GB, "
+              f"{projector.plan.outtype})", file=sys.stderr)
     if names:
         _register(res.path, names[0], replace=args.force and args.name is not None,
-                  converted_from=None if lora else args.src)
+                  converted_from=None if lora else args.src, mmproj=projector.path if projector else None)
     print(res.path)
+    if projector is not None:
+        print(projector.path)
     return 0
 
 
@@ -172,9 +191,9 @@ def _convert_adapter(args: argparse.Namespace) -> int:
     """`convert ADAPTER_DIR`: a GGUF LoRA adapter, registered linked to its base model."""
     from localrun import api
 
-    if args.to != "gguf" or args.q_bits is not None or args.imatrix or args.lora:
-        raise UsageError("an adapter folder converts to a GGUF adapter; --to mlx, --q-bits, --imatrix and --lora "
-                         "do not apply", "MLX runs the PEFT folder itself: localrun run BASE --engine mlx --lora DIR")
+    if args.to != "gguf" or args.q_bits is not None or args.imatrix or args.lora or args.mmproj_outtype != "auto":
+        raise UsageError("an adapter folder converts to a GGUF adapter; --to mlx, --q-bits, --imatrix, --lora and "
+                         "--mmproj-outtype do not apply", "MLX runs the PEFT folder itself: localrun run BASE --engine mlx --lora DIR")
     result, info = api.convert_adapter(args.src, args.output, base=args.base, outtype=args.outtype, name=args.name,
                                        force=args.force, dry_run=args.dry_run, register=not args.no_register)
     if args.dry_run:
@@ -202,8 +221,10 @@ def _convert_mlx(args: argparse.Namespace) -> int:
     if args.lora:
         raise UsageError("--lora merges adapters into GGUF output",
                          "MLX runs the PEFT folder as it is: localrun run MODEL --engine mlx --lora ADAPTER_DIR")
-    if args.outtype != "auto" or args.imatrix or args.dry_run or args.force or args.no_register:
-        raise UsageError("--outtype, --imatrix, --dry-run, --force and --no-register are for GGUF output",
+    if (args.outtype != "auto" or args.mmproj_outtype != "auto" or args.imatrix or args.dry_run or args.force
+            or args.no_register):
+        raise UsageError("--outtype, --mmproj-outtype, --imatrix, --dry-run, --force and --no-register are for "
+                         "GGUF output",
                          "with --to mlx use -o, --name, --q-bits and --q-group-size")
     info = convert_to_mlx(args.src, args.output, q_bits=args.q_bits, q_group_size=args.q_group_size,
                           name=args.name, progress=lambda line: print(line, file=sys.stderr))

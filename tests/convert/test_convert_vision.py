@@ -1,0 +1,382 @@
+"""Vision-language checkpoints to a text GGUF and a projector GGUF (mmproj) in one conversion,
+against llama.cpp's own convert_hf_to_gguf.py (text) and its --mmproj (projector) on the same
+checkpoint: the same tensors (names, order, shapes, types, bytes) and metadata, for Qwen2-VL,
+Qwen2.5-VL, Gemma 3 and Idefics3 / SmolVLM; and the same greedy reply to an image when llama.cpp
+runs Qwen2-VL's files.
+
+Metadata that differs by design: general.name (llama.cpp's converter makes a display name of the
+folder name, "Qwen2 VL Tiny"; ours is the folder name, as for every text model), and the
+vocabulary's own keys that the tokenizer tests own (tokenizer.ggml.eot_token_id, add_space_prefix
+and remove_extra_whitespaces, which ours writes, and add_bos/add_eos_token False, which ours leaves
+implicit); GGUF.* counts follow from the rest. Gemma 3's test names two more.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+from convert_helpers import (
+    converter_cache,
+    gguf_reader,
+    gguf_tensors,
+    llama_cpp_converter_dir,
+    need_asset,
+)
+
+import convert
+from localrun import api
+from localrun.generation import GenerationParams, LoadOptions, Request
+from tests.conftest import run_cli
+from tests.vision_models import qwen2vl, test_image
+
+Q = gguf.GGMLQuantizationType
+PROMPT = "Describe this image."
+# Keys ours writes that llama.cpp's converter leaves out (the vocabulary's, see the docstring).
+OURS_ONLY = {
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.add_space_prefix",
+    "tokenizer.ggml.remove_extra_whitespaces",
+}
+IMPLICIT_FALSE = {"tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"}
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """A file's metadata (but GGUF.* and general.name) and its tensors (type, shape, bytes), read once
+    (parsing a 151k-token vocabulary takes seconds)."""
+    r = gguf_reader(path)
+    fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.") and k != "general.name"}
+    return fields, gguf_tensors(r)
+
+
+def assert_same_file(ours: Path, ref: Path) -> dict[str, Any]:
+    """Tensors equal in name, order, type, shape and bytes; metadata equal but for the keys above.
+    Returns our file's metadata, with each tensor's type as "tensor:NAME"."""
+    (got, got_t), (want, want_t) = _read(ours), _read(ref)
+    assert list(got_t) == list(want_t)
+    for name, (qtype, shape, data) in want_t.items():
+        assert got_t[name][:2] == (qtype, shape), name
+        assert got_t[name][2] == data, name  # bit-exact
+    for key in IMPLICIT_FALSE:
+        if want.get(key) is False and key not in got:
+            del want[key]
+    assert {k: got.get(k) for k in want} == want
+    assert set(got) - set(want) <= OURS_ONLY
+    return {**got, **{f"tensor:{name}": Q(t[0]) for name, t in got_t.items()}}
+
+
+def _linked(src: Path, folder: Path, skip: tuple[str, ...] = ()) -> Path:
+    """A folder of links to src's files (the cached checkpoint stays untouched)."""
+    folder.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in skip:
+            (folder / f.name).symlink_to(f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ours_f32(tmp_path_factory: pytest.TempPathFactory) -> convert.Result:
+    """localrun's conversion of the tiny Qwen2-VL at F32: the model and its projector."""
+    out = tmp_path_factory.mktemp("qwen2vl") / "qwen2vl-tiny-f32.gguf"
+    return convert.convert(qwen2vl("f32").hf, out, outtype="f32")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_qwen2vl_files_equal_llama_cpps(dtype: str, ours_f32: convert.Result, tmp_path: Path) -> None:
+    ref = qwen2vl(dtype)
+    res = ours_f32 if dtype == "f32" else convert.convert(ref.hf, tmp_path / "m.gguf", outtype=dtype)
+    assert res.mmproj is not None and res.mmproj.path == res.path.with_name(f"mmproj-{res.path.name}")
+    text = assert_same_file(res.path, ref.gguf)
+    projector = assert_same_file(res.mmproj.path, ref.mmproj)
+    # what the equality covers, spelled out for Qwen2-VL
+    assert text["general.architecture"] == "qwen2vl" and text["qwen2vl.rope.dimension_sections"] == [2, 3, 3, 0]
+    assert projector["general.architecture"] == "clip" and projector["general.type"] == "mmproj"
+    assert projector["clip.projector_type"] == "qwen2vl_merger"
+    assert projector["clip.vision.patch_size"] == 14 and projector["clip.vision.image_size"] == 560
+    assert projector["clip.vision.image_mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1", "v.blk.2.attn_q.weight", "mm.0.weight"):
+        assert projector[f"tensor:{name}"] == (Q.F32 if dtype == "f32" else Q.F16), name
+    assert not any(k.startswith(("tensor:token_embd", "tensor:blk.")) for k in projector)
+    assert not any(k.startswith(("tensor:v.", "tensor:mm.")) for k in text)
+
+
+def _reply(model: Path, mmproj: Path, image: Path) -> str:
+    session = api.load(api.get_model(str(model)), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(mmproj)))
+    try:
+        chunks = api.stream(session, Request.chat([{"role": "user", "content": PROMPT,
+                                                    "images": [image.read_bytes()]}]),
+                            GenerationParams(temperature=0, max_tokens=8))
+        return "".join(c.text for c in chunks)
+    finally:
+        session.close()
+
+
+def test_converted_files_reply_to_an_image_as_llama_cpps_do(ours_f32: convert.Result, tmp_path: Path) -> None:
+    ref = qwen2vl("f32")
+    assert ours_f32.mmproj is not None
+    replies = []
+    for seed in (0, 1):
+        image = test_image(tmp_path / f"image{seed}.png", seed=seed)
+        ours = _reply(ours_f32.path, ours_f32.mmproj.path, image)
+        assert ours == _reply(ref.gguf, ref.mmproj, image)
+        replies.append(ours)
+    assert replies[0] != replies[1]  # the reply depends on the image: the projector is in use
+
+
+def test_cli_writes_both_registers_the_projector_and_keeps_it_f16_when_quantizing(tmp_path: Path) -> None:
+    ref = qwen2vl("f16")
+    folder = _linked(ref.hf, tmp_path / "Qwen2-VL-tiny")
+    res = run_cli("convert", str(folder), "--outtype", "q4_k_m")
+    assert res.returncode == 0, res.stderr
+    model, projector = folder / "Qwen2-VL-tiny-Q4_K_M.gguf", folder / "mmproj-Qwen2-VL-tiny-F16.gguf"
+    assert res.stdout.splitlines() == [str(model), str(projector)]
+    assert f"wrote the projector {projector}" in res.stderr
+    assert gguf_reader(model).fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert_same_file(projector, ref.mmproj)  # llama.cpp's F16 projector, byte for byte
+    info = api.get_model("qwen2-vl-tiny:q4_k_m")
+    assert Path(info.path) == model and info.details["mmproj"] == str(projector.resolve())
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_api_convert_model_registers_the_model_with_its_projector(tmp_path: Path) -> None:
+    folder = _linked(qwen2vl("f32").hf, tmp_path / "ckpt")
+    info = api.convert_model(folder, tmp_path / "vl-Q8_0.gguf", outtype="q8_0", name="vl:q8")
+    projector = tmp_path / "mmproj-vl-F16.gguf"
+    assert info.name == "vl:q8" and info.details["mmproj"] == str(projector.resolve())
+    assert {t.tensor_type for t in gguf_reader(projector).tensors} == {Q.F16, Q.F32}
+
+
+def test_cli_dry_run_shows_both_plans_and_mmproj_outtype(tmp_path: Path) -> None:
+    folder = _linked(qwen2vl("f32").hf, tmp_path / "ckpt")
+    out = tmp_path / "vl-F16.gguf"
+    res = run_cli("convert", str(folder), "-o", str(out), "--outtype", "f16", "--mmproj-outtype", "f32",
+                  "--dry-run")
+    assert res.returncode == 0, res.stderr
+    text, _, projector = res.stdout.partition("\nprojector:\n")
+    assert "architecture: qwen2vl" in text and "token_embd.weight" in text
+    assert "architecture: clip" in projector and f"output: {tmp_path / 'mmproj-vl-F32.gguf'}" in projector
+    assert "v.patch_embd.weight.1" in projector and "F16" not in projector  # all F32, as asked
+    assert list(tmp_path.glob("*.gguf")) == []
+
+
+def _qwen25vl(folder: Path) -> Path:
+    """A tiny random Qwen2.5-VL (BF16, tied embeddings, 4 vision blocks with full attention in
+    every second one) with the Llama 2 SentencePiece tokenizer and an image processor config."""
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+            "fullatt_block_indexes": [1, 3], "in_channels": 3,
+        },
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    tf.Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder)
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps({"image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.25, 0.3], "patch_size": 14}))
+    return folder
+
+
+def _reference(hf: Path, out: Path, outtype: str, mmproj: bool = False) -> Path:
+    converter = llama_cpp_converter_dir(converter_cache()) / "convert_hf_to_gguf.py"
+    command = [sys.executable, str(converter), str(hf), "--outtype", outtype, "--outfile", str(out)]
+    proc = subprocess.run(command + (["--mmproj"] if mmproj else []), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow  # three runs of llama.cpp's converter
+def test_qwen25vl_and_a_q8_0_projector_equal_llama_cpps(tmp_path: Path) -> None:
+    """Qwen2.5-VL (qwen2.5vl_merger: gated SiLU MLPs, RMS norms, windowed attention) from BF16, and a
+    projector written as Q8_0 (its patch embeddings F32, as llama.cpp's converter keeps them)."""
+    hf = _qwen25vl(tmp_path / "qwen25")
+    res = convert.convert(hf, tmp_path / "m.gguf", outtype="f16")
+    assert res.mmproj is not None
+    assert_same_file(res.path, _reference(hf, tmp_path / "ref.gguf", "f16"))
+    projector = assert_same_file(res.mmproj.path, _reference(hf, tmp_path / "ref-mmproj.gguf", "f16", mmproj=True))
+    assert projector["clip.projector_type"] == "qwen2.5vl_merger"
+    assert projector["clip.use_silu"] is True and projector["clip.vision.n_wa_pattern"] == 2
+    q8 = convert.convert(hf, tmp_path / "q.gguf", outtype="f16", mmproj_outtype="q8_0").mmproj
+    assert q8 is not None and q8.path.name == "mmproj-q.gguf"
+    types = assert_same_file(q8.path, _reference(hf, tmp_path / "ref-mmproj-q8.gguf", "q8_0", mmproj=True))
+    assert types["tensor:v.blk.0.ffn_gate.weight"] == Q.Q8_0 and types["tensor:v.patch_embd.weight.1"] == Q.F32
+
+
+def _gemma3(folder: Path) -> Path:
+    """A tiny random Gemma 3 with images (SigLIP: 3 layers, 56x56 pixels in 4x4 patches pooled to 2x2
+    image tokens) with the Llama 2 SentencePiece tokenizer, saved by transformers: the vision tower's
+    tensors as vision_tower.embeddings..., without the published layout's vision_model."""
+    import torch
+    import transformers as tf
+
+    config = tf.Gemma3Config(
+        text_config={
+            "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+            "max_position_embeddings": 4096, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        },
+        vision_config={
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "image_size": 56, "patch_size": 14, "num_channels": 3, "vision_use_head": False,
+        },
+        mm_tokens_per_image=4, boi_token_index=3, eoi_token_index=4, image_token_index=5,
+    )
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # not the initial ones: a norm left out or not shifted by 1 would show
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_seq_length": 4}))
+    return folder
+
+
+def _published_layout(src: Path, folder: Path) -> Path:
+    """src with its vision tower's tensors renamed as the published Gemma 3 checkpoints have them."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, folder)
+    tensors = load_file(src / "model.safetensors")
+    tower = "vision_tower."
+    save_file({f"{tower}vision_model.{k[len(tower):]}" if k.startswith(tower) else k: v
+               for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow  # two runs of llama.cpp's converter
+def test_gemma3_files_equal_llama_cpps_from_either_layout(tmp_path: Path) -> None:
+    """Gemma 3's projector (gemma3: SigLIP, the soft-embedding norm shifted by 1, the projection in
+    F16 and the embeddings in F32 whatever the type) from the published layout, which llama.cpp's
+    converter reads, and from transformers 5's, which it does not: the same files.
+
+    Two text keys differ from llama.cpp's converter by the text conversion's own choices: the
+    sliding-window pattern, which ours writes from layer_types, and add_space_prefix, which ours
+    reads from the tokenizer (True in the borrowed Llama 2 tokenizer, False in Gemma 3's own) and
+    llama.cpp's converter sets False for Gemma 3."""
+    saved = _gemma3(tmp_path / "saved")
+    published = _published_layout(saved, tmp_path / "published")
+    ref_text = _reference(published, tmp_path / "ref.gguf", "f16")
+    ref_projector = _reference(published, tmp_path / "ref-mmproj.gguf", "f16", mmproj=True)
+    for hf in (published, saved):
+        res = convert.convert(hf, tmp_path / f"{hf.name}.gguf", outtype="f16")
+        assert res.mmproj is not None
+        projector = assert_same_file(res.mmproj.path, ref_projector)
+        got, got_t = _read(res.path)
+        want, want_t = _read(ref_text)
+        assert got_t == want_t
+        assert got.pop("gemma3.attention.sliding_window_pattern") == [True, False]
+        assert (got.pop("tokenizer.ggml.add_space_prefix"), want.pop("tokenizer.ggml.add_space_prefix")) == (
+            True, False)
+        assert {k: got.get(k) for k in want} == want and set(got) - set(want) <= OURS_ONLY
+    assert projector["clip.projector_type"] == "gemma3" and projector["clip.vision.projector.scale_factor"] == 2
+    assert projector["tensor:mm.input_projection.weight"] == Q.F16
+    assert projector["tensor:v.patch_embd.weight"] == projector["tensor:v.position_embd.weight"] == Q.F32
+
+
+def _idefics3(folder: Path) -> Path:
+    """A tiny random Idefics3 / SmolVLM (a Llama text model; SigLIP: 3 layers, 56x56 pixels, pixel
+    shuffle 2) with the Llama 2 SentencePiece tokenizer; text_config names its architecture as the
+    published configs do (llama.cpp's converter reads the text model's class there)."""
+    import torch
+    import transformers as tf
+
+    config = tf.Idefics3Config(
+        text_config={
+            "model_type": "llama", "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        },
+        vision_config={
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "image_size": 56, "patch_size": 14, "num_channels": 3,
+        },
+        scale_factor=2, image_token_id=5,
+    )
+    torch.manual_seed(0)
+    tf.Idefics3ForConditionalGeneration(config).save_pretrained(folder)
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    saved["text_config"]["architectures"] = ["LlamaForCausalLM"]
+    path.write_text(json.dumps(saved))
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": {"longest_edge": 112}}))
+    return folder
+
+
+@pytest.mark.slow  # two runs of llama.cpp's converter
+def test_smolvlm_files_equal_llama_cpps(tmp_path: Path) -> None:
+    """Idefics3 / SmolVLM: the Llama text model (its Q/K rows permuted) and the idefics3 projector
+    (the embeddings in F32, the pixel shuffle's factor and the image processor's longest side)."""
+    hf = _idefics3(tmp_path / "smolvlm")
+    res = convert.convert(hf, tmp_path / "m.gguf", outtype="f16")
+    assert res.mmproj is not None
+    text = assert_same_file(res.path, _reference(hf, tmp_path / "ref.gguf", "f16"))
+    projector = assert_same_file(res.mmproj.path, _reference(hf, tmp_path / "ref-mmproj.gguf", "f16", mmproj=True))
+    assert text["general.architecture"] == "llama" and projector["clip.projector_type"] == "idefics3"
+    assert projector["clip.vision.projector.scale_factor"] == 2
+    assert projector["clip.vision.preproc_image_size"] == 112
+    assert projector["tensor:v.patch_embd.weight"] == Q.F32 and projector["tensor:mm.model.fc.weight"] == Q.F16
+
+
+def test_a_vision_family_not_supported_yet_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    folder = tmp_path / "llava"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}))
+    res = run_cli("convert", str(folder))
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [
+        "localrun: vision-language architecture 'LlavaForConditionalGeneration' is not supported yet; "
+        "vision-language architectures the converter supports: Gemma3ForConditionalGeneration, "
+        "Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+        "Qwen2_5_VLForConditionalGeneration, SmolVLMForConditionalGeneration"
+    ]
+    assert list(folder.iterdir()) == [folder / "config.json"]
+
+
+def test_a_config_that_names_its_class_only_in_text_config_is_planned_as_the_same_pair(tmp_path: Path) -> None:
+    """transformers 4.57 saves a Qwen2-VL's `architectures` only in text_config."""
+    hf = qwen2vl("f32").hf
+    folder = _linked(hf, tmp_path / "ckpt", skip=("config.json",))
+    config = json.loads((hf / "config.json").read_text())
+    config["text_config"]["architectures"] = config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(config))
+    planned = convert.convert(folder, tmp_path / "m.gguf", outtype="f16", dry_run=True)
+    assert planned.mmproj is not None and planned.mmproj.plan.arch == "clip"
+    assert planned.plan.arch == "qwen2vl" and planned.mmproj.path == tmp_path / "mmproj-m.gguf"
+    assert list(tmp_path.glob("*.gguf")) == []
+
+
+def test_a_checkpoint_without_its_image_processor_config_fails_before_writing(tmp_path: Path) -> None:
+    folder = _linked(qwen2vl("f32").hf, tmp_path / "ckpt", skip=("preprocessor_config.json",))
+    with pytest.raises(convert.ConvertError) as e:
+        convert.convert(folder, tmp_path / "m.gguf", outtype="f32")
+    assert e.value.message == "the image processor's image_mean is missing"
+    assert e.value.hint == "copy the model's preprocessor_config.json into the checkpoint folder"
+    assert list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".*")) == []
+
