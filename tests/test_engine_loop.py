@@ -141,6 +141,26 @@ def test_the_next_turn_reuses_the_cached_prefix(engine: LlamaCppEngine) -> None:
     assert rec.texts(2) == alone(engine, second)  # reuse changes nothing in the answer
 
 
+def test_a_new_conversation_does_not_evict_another_that_shares_only_its_start(engine: LlamaCppEngine) -> None:
+    """Conversations A and B share the system prompt and the template's header only. B goes to a
+    free slot of its own (the shared start copied), so A's next turn still finds its whole cache."""
+    rec = Record()
+    loop = EngineLoop(engine, rec)
+    a1 = ask("What is the capital of France?")
+    loop.submit("a1", a1, GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    held = rec.final("a1").prompt_tokens
+    loop.submit("b1", ask("Name a large animal that lives in the sea."), GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    assert rec.final("b1").cached_tokens > 0  # the shared start was not evaluated again
+    a2 = api.build_messages("And of Italy?", "You are a terse assistant.",
+                            [{"role": "user", "content": "What is the capital of France?"},
+                             {"role": "assistant", "content": rec.texts("a1")}])
+    loop.submit("a2", a2, GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    assert rec.final("a2").cached_tokens >= held - 1
+
+
 def test_full_queue_and_overlong_prompt_are_errors_of_their_request(engine: LlamaCppEngine) -> None:
     rec = Record()
     loop = EngineLoop(engine, rec, max_queue=1)

@@ -101,6 +101,8 @@ class EngineLoop:
         self.slots: list[_Job | None] = [None] * engine.n_slots
         self.cached: list[list[int]] = [[] for _ in range(engine.n_slots)]  # tokens in each slot's KV cache
         self.cached_lora: list[Any] = [() for _ in range(engine.n_slots)]  # the adapters that cache was made with
+        self.last_used = [0] * engine.n_slots  # when each slot last took a request (0: never)
+        self._admitted = 0
         self.jobs: dict[Any, _Job] = {}
         self.prompt_tokens = 0  # evaluated, over the loop's life
         self.completion_tokens = 0
@@ -241,6 +243,20 @@ class EngineLoop:
                     best, best_len = s, n
         return best, best_len
 
+    def _slot_for(self, job: _Job, free: list[int], lora: Any) -> int:
+        """The free slot for a request: the one whose cache shares the longest prefix with its
+        prompt, unless taking it would throw away most of another conversation's cache for a short
+        shared start (a system prompt, a template's header); then the least recently used one
+        (where that shared start is copied, see _best), so that the other conversation's next turn
+        still finds its cache."""
+        limit = len(job.tokens) - 1
+        shared = {s: _lcp(self._cache(s, lora), job.tokens, limit) for s in free}
+        best = max(free, key=lambda s: (shared[s], -self.last_used[s]))
+        held = len(self.cached[best])
+        if held == 0 or shared[best] * 2 >= held:
+            return best
+        return min(free, key=lambda s: self.last_used[s])
+
     def _admit(self) -> None:
         free = [s for s, j in enumerate(self.slots) if j is None]
         wave: list[tuple[int, _Job]] = []
@@ -258,9 +274,10 @@ class EngineLoop:
                 return
         for job in group[:len(free)]:
             self.queue.remove(job)
-            # The free slot whose cache shares the longest prefix with the prompt (llama-server's rule).
-            slot = max(free, key=lambda s: _lcp(self._cache(s, lora), job.tokens, len(job.tokens) - 1))
+            slot = self._slot_for(job, free, lora)
             free.remove(slot)
+            self._admitted += 1
+            self.last_used[slot] = self._admitted
             wave.append((slot, job))
         taken = {slot for slot, _ in wave}
         sources = [(s, c) for s, c in self._sources(lora) if s not in taken]  # a wave member's cache may be trimmed
