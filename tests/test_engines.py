@@ -74,7 +74,7 @@ def test_every_engine_declares_what_it_is_and_can_do() -> None:
     assert abilities("llama.cpp").request_adapters and abilities("llama.cpp").expert_offload
     assert abilities("mlx").load_adapters and not abilities("mlx").request_adapters
     assert engines_with("expert_offload") == ["llama.cpp"]
-    assert abilities("mlx").names() == ["load adapters", "drafting", "structured output"]
+    assert abilities("mlx").names() == ["load adapters", "images", "drafting", "structured output"]
     assert engines_with("drafting") == ["llama.cpp", "mlx"]
 
 

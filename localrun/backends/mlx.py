@@ -3,7 +3,8 @@
 Sequences run through mlx-lm's BatchGenerator (continuous batching: prefill in chunks, the next
 token computed while the current one is handed out), driven by the shared engine loop. The chat
 template is rendered by localrun's sandboxed Jinja, not by transformers. It runs inside the
-engine worker process.
+engine worker process. A vision-language model (config.json with a vision_config) loads through
+mlx-vlm when it is installed, and its sequences run beside each other on it (mlx_vision).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from localrun.backends.drafting import (
 )
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.mlx_speculative import PREFILL_STEP, MLXDraftModel, SpecSeq
+from localrun.backends.mlx_vision import (
+    VLM_HINT,
+    VisionModel,
+    is_vision_config,
+    read_config,
+    unsupported,
+    vlm_installed,
+    with_image_parts,
+)
 from localrun.chat import PLAIN_STOPS, render_plain
 from localrun.constraint import import_llguidance
 from localrun.errors import (
@@ -37,7 +47,7 @@ from localrun.generation import GenerationParams, LoadOptions, Request, TokenLog
 from localrun.store import ModelInfo
 
 INSTALL_HINT = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
-ABILITIES = Abilities(load_adapters=True, structured_output=True, drafting=True)
+ABILITIES = Abilities(load_adapters=True, structured_output=True, drafting=True, images=True)
 
 
 def mlx_installed() -> bool:
@@ -74,13 +84,18 @@ def device_name(mx: Any) -> str:
 
 
 def system_info() -> dict[str, Any]:
-    """Versions of mlx and mlx-lm and the device MLX runs on."""
+    """Versions of mlx, mlx-lm and mlx-vlm (None: not installed) and the device MLX runs on."""
     mx, _ = _import()
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        vlm: str | None = version("mlx-vlm")
+    except PackageNotFoundError:
+        vlm = None
     return {
         "mlx": mx.__version__,
         "mlx_lm": version("mlx-lm"),
+        "mlx_vlm": vlm,
         "device": device_name(mx),
         "metal": bool(mx.metal.is_available()),
     }
@@ -93,7 +108,7 @@ class MLXBackend:
     title = "MLX"
     formats = ("mlx", "safetensors")
     install_hint = INSTALL_HINT
-    packages = ("mlx", "mlx-lm")
+    packages = ("mlx", "mlx-lm", "mlx-vlm")
     abilities = ABILITIES
     copies_from = ("gguf",)
     copy_hint = "make an MLX copy with 'localrun convert {path} --to mlx'"
@@ -123,7 +138,9 @@ class MLXBackend:
 
     @staticmethod
     def describe(facts: dict[str, Any]) -> list[tuple[str, str]]:
-        return [("version", f"mlx {facts.get('mlx')}, mlx-lm {facts.get('mlx_lm')}"), ("device", str(facts.get("device")))]
+        images = f", mlx-vlm {facts['mlx_vlm']}" if facts.get("mlx_vlm") else " (no mlx-vlm: no images)"
+        return [("version", f"mlx {facts.get('mlx')}, mlx-lm {facts.get('mlx_lm')}{images}"),
+                ("device", str(facts.get("device")))]
 
 
 def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable[[Any], Any]:
@@ -287,6 +304,8 @@ class MLXEngine:
 
     A slot's KV cache is taken back from the generator when its request ends, so the next
     request in that slot reuses the common prefix (MLX caches cannot be copied between slots).
+    A vision-language model loads through mlx-vlm instead, and its sequences, with images or
+    without, run beside each other on it (mlx_vision).
     """
 
     abilities = ABILITIES
@@ -296,32 +315,41 @@ class MLXEngine:
         self.mx, mlx_lm = _import()
         self.model_info = model
         path = Path(model.path)
-        try:
-            self.model, self.tokenizer, config = mlx_lm.load(str(path), return_config=True,
-                                                             model_config=_flat_rope(path))
-        except FileNotFoundError as e:
-            raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
-                                    "an MLX model is a folder with config.json, *.safetensors and tokenizer files") from e
-        except (ValueError, KeyError, OSError) as e:
-            raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
-                                    "the folder may be incomplete, or of an architecture this mlx-lm does not know; "
-                                    "try 'pip install -U mlx-lm'") from e
+        self.vision: VisionModel | None = None  # a vision-language model, loaded by mlx-vlm
+        self.vision_refused: str | None = None  # why a vision-language model reads text only here
+        self.vision_hint = ""  # and what to do about it
+        self.gen: Any = None
+        self.lora = options.lora
+        config = self._load_vision(path, options) if is_vision_config(read_config(path)) else None
+        if config is None:
+            try:
+                self.model, self.tokenizer, config = mlx_lm.load(str(path), return_config=True,
+                                                                 model_config=_flat_rope(path))
+            except FileNotFoundError as e:
+                raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
+                                        "an MLX model is a folder with config.json, *.safetensors and tokenizer files") from e
+            except (ValueError, KeyError, OSError) as e:
+                refused = f"; it is a vision-language model, and {self.vision_refused}" if self.vision_refused else ""
+                raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}{refused}",
+                                        "the folder may be incomplete, or of an architecture this mlx-lm does not know; "
+                                        "try 'pip install -U mlx-lm'") from e
         from mlx_lm.generate import BatchGenerator
 
-        self.lora = options.lora
-        if self.lora:
+        if self.lora and self.vision is None:
             self._apply_lora()
         self.config = config
         n_train = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
         self.n_ctx = context_for(model, options, n_train).tokens  # the trained context, if memory holds it
         self.n_train = n_train
         self.n_slots = options.n_parallel
-        self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer.get_vocab()))
+        self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+                              or len(self.tokenizer.get_vocab()))
         self.template = self._chat_template()
         self.eos = set(self.tokenizer.eos_token_ids)
         # No stop tokens here: the engine loop ends sequences (EOS included) itself.
-        self.gen = BatchGenerator(self.model, completion_batch_size=max(1, self.n_slots),
-                                  prefill_batch_size=max(1, min(8, self.n_slots)), prefill_step_size=2048)
+        if self.vision is None:
+            self.gen = BatchGenerator(self.model, completion_batch_size=max(1, self.n_slots),
+                                      prefill_batch_size=max(1, min(8, self.n_slots)), prefill_step_size=2048)
         self.uids: dict[int, int] = {}  # generator uid -> slot
         self.slot_uid: list[int | None] = [None] * self.n_slots
         self.saved: list[Any] = [None] * self.n_slots  # a finished slot's KV cache, for prefix reuse
@@ -343,7 +371,9 @@ class MLXEngine:
         self._gen_step = 0.0  # a generator step's time with one sequence decoding (a recent average)
         self._gen_uid: int | None = None  # the sequence of the last such step
         self.options = options
-        if options.draft:
+        if options.draft and self.vision is not None:  # a server's optional draft model (a required one loads it with mlx-lm)
+            self.draft_refused = f"'{model.name}' is a vision-language model, and on MLX it does not draft"
+        elif options.draft:
             try:
                 self.drafter = MLXDraftModel(options.draft, Path(options.draft).name, self.tokenizer, self.n_slots)
             except (UsageError, BadModelFileError) as e:
@@ -351,6 +381,43 @@ class MLXEngine:
                     self.close()
                     raise
                 self.draft_refused = e.message
+
+    def _load_vision(self, path: Path, options: LoadOptions) -> dict[str, Any] | None:
+        """Load a vision-language model through mlx-vlm: its config, or None when mlx-vlm cannot
+        (not installed, or not for its family: the model then loads as text, vision_refused says why)."""
+        if not vlm_installed():
+            self.vision_refused, self.vision_hint = "mlx-vlm, which reads its images, is not installed", VLM_HINT
+            return None
+        # Adapters and a draft model work on mlx-lm's model of its language part, as before mlx-vlm.
+        if self.lora or (options.draft and not options.draft_optional):
+            flag = "--lora" if self.lora else "--draft"
+            self.vision_refused = f"with {flag} it loads through mlx-lm, which reads no images"
+            self.vision_hint = f"load it without {flag} to send it images"
+            return None
+        self.vision_refused = unsupported(read_config(path))
+        if self.vision_refused:
+            self.vision_hint = "run a GGUF copy of it with its projector (--mmproj) on the llama.cpp engine"
+            return None
+        try:
+            self.vision = VisionModel(path, self.model_info.name)
+        except BadModelFileError as e:  # e.g. a vision tower missing: the language model may still load
+            self.vision_refused, self.vision_hint = f"mlx-vlm could not load it ({e.message})", e.hint or ""
+            return None
+        self.model = self.vision.model
+        from mlx_lm.utils import load_tokenizer
+
+        self.tokenizer = load_tokenizer(path, eos_token_ids=self.vision.eos_token_ids)
+        return self.vision.config
+
+    def _no_images(self) -> UsageError:
+        """Why this model reads no images, and what to do."""
+        name = self.model_info.name
+        if self.vision_refused:
+            return UsageError(f"'{name}' is a vision-language model, but {self.vision_refused}: on MLX it reads text only",
+                              self.vision_hint)
+        return UsageError(f"'{name}' is a text-only model: it reads no images",
+                          "send text only, or run a vision-language model (an MLX folder made by mlx_vlm.convert, "
+                          "or a GGUF with its projector on the llama.cpp engine)")
 
     def _apply_lora(self) -> None:
         """Convert the PEFT adapters to one mlx-lm adapter (cached) and apply it with mlx-lm's loader."""
@@ -424,6 +491,10 @@ class MLXEngine:
             out["draft_model"] = self.drafter.name
         if self.draft_refused:
             out["draft_refused"] = self.draft_refused
+        if self.vision is not None:
+            out.update(vision=f"mlx-vlm ({self.vision.family})", images_encoded=self.vision.encoded)
+        elif self.vision_refused:
+            out["warning"] = f"a vision-language model, but {self.vision_refused}: it reads text only"
         return out
 
     # -- text <-> tokens ----------------------------------------------------------------------
@@ -441,8 +512,7 @@ class MLXEngine:
         tok = self.tokenizer
         fallback = [tok.bos_token_id if tok.bos_token_id is not None else 0]
         if request.images:
-            raise UsageError(f"the mlx engine does not read images yet ('{self.model_info.name}')",
-                             "run a GGUF vision model with its projector on the llama.cpp engine")
+            return self._image_prompt(request)
         if request.prompt is not None:
             return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
         bos = tok.bos_token or ""
@@ -458,6 +528,20 @@ class MLXEngine:
             stops.extend(PLAIN_STOPS)
         # A template that writes the BOS itself must not get a second one.
         return self._encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True) or fallback
+
+    def _image_prompt(self, request: Request) -> list[int]:
+        """A chat request with images, rendered with their content parts and prepared by mlx-vlm's processor."""
+        if self.vision is None:
+            raise self._no_images()
+        template = request.template or self.template
+        if not template:
+            raise UsageError(f"'{self.model_info.name}' has no chat template to place images in",
+                             "give the request a template, or send text only")
+        tok = self.tokenizer
+        bos = tok.bos_token or ""
+        text = render_chat(template, self.reasoning, with_image_parts(request), bos, tok.eos_token or "")
+        images = [data for m in request.messages for data in m.images]
+        return self.vision.prompt(text, images, add_special=not (bos and text.startswith(bos)))
 
     def is_eog(self, token: int) -> bool:
         return token in self.eos
@@ -495,7 +579,12 @@ class MLXEngine:
                              "or use the llama.cpp engine for per-request adapters")
         mx = self.mx
         cache, self.saved[slot] = self.saved[slot], None
-        if cache is not None and keep > 0 and source == slot and can_trim_prompt_cache(cache):
+        if self.vision is not None:
+            if params.speculative and not self.options.draft_optional:
+                raise UsageError(f"'{self.model_info.name}' is a vision-language model, and on MLX it does not draft",
+                                 "drop --draft")
+            cache, keep = self.vision.reuse(cache, tokens, keep if source == slot else 0)
+        elif cache is not None and keep > 0 and source == slot and can_trim_prompt_cache(cache):
             trim_prompt_cache(cache, cache[0].offset - keep)
         else:
             cache, keep = None, 0
@@ -517,6 +606,9 @@ class MLXEngine:
         self.grammar[slot] = grammar
         self.spec_counts[slot] = (0, 0)
         sampler = make_sampler(mx, params, self.vocab_size)
+        if self.vision is not None:
+            self.vision.start(slot, tokens, keep, cache, sampler, processors, params.logprobs)
+            return keep
         if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
             raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
                              + (f" ({self.draft_refused})" if self.draft_refused else ""),
@@ -557,6 +649,8 @@ class MLXEngine:
         raise EngineError("the MLX engine cannot share a prefill between slots")
 
     def step(self) -> list[Sampled]:
+        if self.vision is not None:
+            return [self._sampled(slot, tok, lps) for slot, tok, lps in self.vision.step()]
         out = self._spec_step() if self.spec else []
         if not self.uids:
             return out
@@ -573,13 +667,16 @@ class MLXEngine:
             slot = self.uids.get(r.uid)
             if slot is None:
                 continue  # a sequence removed while its token was in flight
-            top, g, tok = self.logprobs[slot], self.grammar[slot], int(r.token)
-            out.append(Sampled(slot, tok, self._logprob(r.logprobs, tok, top) if top is not None else None,
-                               g is not None and g.breaks(tok, self.is_eog(tok))))
+            out.append(self._sampled(slot, int(r.token), r.logprobs))
         return out
 
+    def _sampled(self, slot: int, tok: int, logprobs: Any) -> Sampled:
+        top, g = self.logprobs[slot], self.grammar[slot]
+        return Sampled(slot, tok, self._logprob(logprobs, tok, top) if top is not None else None,
+                       g is not None and g.breaks(tok, self.is_eog(tok)))
+
     def images_encoded(self, slot: int) -> int:
-        return 0  # this engine reads no images (prompt_tokens refuses them)
+        return self.vision.images_encoded(slot) if self.vision is not None else 0
 
     def drafts(self, slot: int) -> tuple[int, int]:
         """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
@@ -677,6 +774,10 @@ class MLXEngine:
         self.slot_uid[slot] = uid
 
     def finish(self, slot: int) -> int:
+        if self.vision is not None:
+            self.grammar[slot] = None
+            self.saved[slot], n = self.vision.finish(slot)
+            return n
         q = self.spec.pop(slot, None)
         if q is not None:
             self.saved[slot] = q.cache
@@ -710,7 +811,10 @@ class MLXEngine:
             self.drafter.close()
             self.drafter = None
         self.spec = {}
-        self.gen.close()
+        if self.gen is not None:
+            self.gen.close()
+        if self.vision is not None:
+            self.vision.close()
         self.saved = [None] * self.n_slots
         self.model = None
         self.mx.clear_cache()
