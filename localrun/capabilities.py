@@ -94,9 +94,18 @@ def _thinking(model: ModelInfo, abilities: Abilities | None) -> bool:
 
 
 def _vision(model: ModelInfo, abilities: Abilities | None) -> bool:
-    # A projector recorded with the model (and there), on an engine that reads images.
+    # On an engine that reads images: a GGUF with its projector recorded (and there), or a
+    # vision-language folder (a vision_config) where mlx-vlm is installed.
+    if not (abilities and abilities.images):
+        return False
     mmproj = model.details.get("mmproj")
-    return bool(abilities and abilities.images and mmproj and os.path.isfile(mmproj))
+    if mmproj:
+        return os.path.isfile(mmproj)
+    if model.format in ("mlx", "safetensors"):
+        from localrun.backends.mlx_vision import read_config, vlm_installed
+
+        return "vision_config" in read_config(Path(model.path)) and vlm_installed()
+    return False
 
 
 RULES: tuple[tuple[str, Callable[[ModelInfo, Abilities | None], bool]], ...] = (

@@ -222,6 +222,8 @@ def test_cli_run_with_an_image(vl: VisionModel, folder: Path, pictures: list[Pat
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["text"] == reference_greedy(vl, pictures[0], PROMPT, 8).text and out["images_encoded"] == 1
+    shown = json.loads(run_cli("show", str(folder), "--json").stdout)
+    assert "vision" in shown["capabilities"]
 
 
 def test_models_that_read_no_images_say_why(models: Models, folder: Path, pictures: list[Path], tmp_path: Path,
