@@ -65,20 +65,26 @@ def _metadata(ckpt: Checkpoint, plan: Plan, name: str | None):  # noqa: ANN202
         vocab.special.add_special_token["bos"] = add_bos
 
     def write(w: gguf.GGUFWriter) -> None:
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(name or ckpt.name)
-        total, shared, expert, n_expert = w.get_total_parameter_count()
-        if total > 0:
-            w.add_size_label(gguf.size_label(total, shared, expert, n_expert))
-        ckpt.arch.write_hparams(w)
         ftype = outtypes.DIRECT_FTYPE[outtypes.DIRECT[plan.written_type]]
         if any(t.qtype == gguf.GGMLQuantizationType.MXFP4 for t in plan.tensors):
             ftype = gguf.LlamaFileType.MOSTLY_MXFP4_MOE  # as llama.cpp's converter labels it
-        w.add_file_type(ftype)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_header(w, gguf.GGUFType.MODEL, ckpt, name, ftype)
         vocab.write(w)
 
     return write
+
+
+def write_header(w: gguf.GGUFWriter, kind: str, ckpt: Checkpoint, name: str | None, ftype: int) -> None:
+    """What every file the converter writes starts with (a model's or a projector's): its type,
+    name, size label, the architecture's hyperparameters and the file type."""
+    w.add_type(kind)
+    w.add_name(name or ckpt.name)
+    total, shared, expert, n_expert = w.get_total_parameter_count()
+    if total > 0:
+        w.add_size_label(gguf.size_label(total, shared, expert, n_expert))
+    ckpt.arch.write_hparams(w)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
 def run(

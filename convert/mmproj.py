@@ -47,15 +47,10 @@ def projector_out(out: Path, model_type: str, projector_type: str) -> Path:
 
 
 def _metadata(ckpt: Checkpoint, plan: Plan, name: str | None):  # noqa: ANN202
+    from convert.converter import write_header
+
     def write(w: gguf.GGUFWriter) -> None:
-        w.add_type(gguf.GGUFType.MMPROJ)
-        w.add_name(name or ckpt.name)
-        total, shared, expert, n_expert = w.get_total_parameter_count()
-        if total > 0:
-            w.add_size_label(gguf.size_label(total, shared, expert, n_expert))
-        ckpt.arch.write_hparams(w)
-        w.add_file_type(outtypes.DIRECT_FTYPE[outtypes.DIRECT[plan.written_type]])
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_header(w, gguf.GGUFType.MMPROJ, ckpt, name, outtypes.DIRECT_FTYPE[outtypes.DIRECT[plan.written_type]])
 
     return write
 
