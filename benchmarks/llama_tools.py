@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 PINNED = "0.3.36"  # pyproject.toml pins llama-cpp-python to this version
-TOOLS = ("llama-server", "llama-bench", "llama-perplexity", "llama-imatrix", "llama-quantize")
+TOOLS = ("llama-server", "llama-bench", "llama-perplexity", "llama-imatrix", "llama-quantize", "llama-mtmd-cli")
 # The Makefile's CMAKE_ARGS with the tools switched on; the web UI and TLS are not needed here.
 BASE_FLAGS = (
     "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
