@@ -65,8 +65,9 @@ def test_greedy_replies_equal_transformers_on_the_same_pixels(dtype: str, pictur
             ref = reference_greedy(model, picture, PROMPT, 8)
             text, end = ask(session, [user(PROMPT, picture)])
             assert text == ref.text, (dtype, picture.name)
-            # 12 image embeddings take 4 positions (M-RoPE): 25 text tokens + 4
-            assert end.prompt_tokens == len(ref.prompt_ids) - ref.image_tokens + 4 and end.images_encoded == 1
+            # The prompt fills 25 text tokens + 12 image embeddings of KV cells (in 29 positions: M-RoPE),
+            # as transformers counts its prompt ids.
+            assert end.prompt_tokens == len(ref.prompt_ids) == 37 and end.images_encoded == 1
             replies.append(text)
         assert replies[0] != replies[1]
     finally:

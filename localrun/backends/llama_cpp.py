@@ -200,7 +200,8 @@ class LlamaCppEngine:
         if mmproj:
             if os.path.isfile(mmproj):
                 try:
-                    self.vision = Vision(mmproj, self.model, self.threads, self.gpu_layers != 0)
+                    self.vision = Vision(mmproj, self.model, self.threads, self.gpu_layers != 0,
+                                         options.flash_attn)
                 except LocalrunError:
                     self.close()
                     raise
@@ -537,6 +538,10 @@ class LlamaCppEngine:
         """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
         q = self.seqs[slot]
         return (q.control.drafted, q.control.accepted) if q is not None and q.control is not None else (0, 0)
+
+    def prompt_cells(self, tokens: list[int]) -> int:
+        """KV cells a prompt fills: an image counts its embeddings, not its positions."""
+        return self.vision.cells(tokens) if self.vision is not None else len(tokens)
 
     def images_encoded(self, slot: int) -> int:
         """Images the slot's prompt evaluation encoded (not those found in the KV cache)."""

@@ -44,7 +44,7 @@ def image_start(tokens: list[int], i: int) -> int:
 class Vision:
     """One model's projector: image tokenization and evaluation for the engine's sequences."""
 
-    def __init__(self, path: str, model: Any, threads: int, gpu: bool) -> None:
+    def __init__(self, path: str, model: Any, threads: int, gpu: bool, flash_attn: bool | None = None) -> None:
         from llama_cpp import mtmd_cpp as mt
 
         from localrun.backends.llama_loader import _STATE, LOG, last_log_error
@@ -61,6 +61,8 @@ class Vision:
         params.n_threads = threads
         params.print_timings = False
         params.warmup = False
+        if flash_attn is not None:  # --flash-attn on|off reaches the image encoder too (auto: llama.cpp decides)
+            params.flash_attn_type = 1 if flash_attn else 0
         LOG.clear()
         self.ctx = mt.mtmd_init_from_file(path.encode(), model, params)
         if not self.ctx:
@@ -74,6 +76,7 @@ class Vision:
         self.marker = mt.mtmd_default_marker().decode()
         self.chunks: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # image key -> (owned chunk, n_pos)
         self.encoded = 0  # images encoded since load
+        self.sizes: dict[int, tuple[int, int]] = {}  # image key -> (embeddings, positions), every image seen
 
     def tokenize(self, text: str, images: list[bytes], add_special: bool) -> list[int]:
         """Tokens of a prompt whose images stand at markers in text, in order, as placeholders."""
@@ -125,8 +128,20 @@ class Vision:
                 self.chunks[key] = (mt.mtmd_input_chunk_copy(chunk), n_pos)
                 while len(self.chunks) > KEEP_IMAGES:
                     mt.mtmd_input_chunk_free(self.chunks.popitem(last=False)[1][0])
+            self.sizes[key] = (mt.mtmd_input_chunk_get_n_tokens(chunk), n_pos)
             out.extend(placeholder(key, i) for i in range(n_pos))
         return out
+
+    def cells(self, tokens: list[int]) -> int:
+        """KV cells these tokens fill: each image's embeddings in place of its placeholders."""
+        n = len(tokens)
+        for t in tokens:
+            if t < 0:
+                key, i = image_key(t)
+                if i == 0 and key in self.sizes:
+                    n_tokens, n_pos = self.sizes[key]
+                    n += n_tokens - n_pos
+        return n
 
     def eval(self, lctx: Any, token: int, n_past: int, seq: int, n_batch: int) -> int:
         """Encode the image whose run starts with this placeholder and decode it into the sequence

@@ -60,11 +60,12 @@ class _Job:
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
                  "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora", "split",
-                 "thought", "n_thought", "closing", "drafts", "images")
+                 "thought", "n_thought", "closing", "drafts", "images", "cells")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
-                 n_ctx: int, split: Splitter | None = None, closing: str = "") -> None:
+                 n_ctx: int, split: Splitter | None = None, closing: str = "", cells: int | None = None) -> None:
         self.rid = rid
+        self.cells = len(tokens) if cells is None else cells  # KV cells the prompt fills (an image: its embeddings)
         self.tokens = tokens
         self.params = params
         self.stops = stops
@@ -76,7 +77,7 @@ class _Job:
         self.lps: list[TokenLogprob] = []
         self.slot = -1
         self.n_gen = 0
-        self.budget = params.budget(n_ctx, len(tokens))
+        self.budget = params.budget(n_ctx, self.cells)
         self.generated: list[int] = []
         self.t0 = self.t1 = 0.0
         self.sampled = False
@@ -137,8 +138,9 @@ class EngineLoop:
             stops = list(params.stop)
             tokens = self.engine.prompt_tokens(request, stops)
             n_ctx = self.engine.n_ctx
-            if len(tokens) >= n_ctx:
-                raise ContextOverflowError(f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}",
+            cells = self._cells(tokens)
+            if cells >= n_ctx:
+                raise ContextOverflowError(f"the prompt is {cells} tokens but the context holds {n_ctx}",
                                            "use a larger --ctx or a shorter prompt")
             split, params = self._thinking(request, tokens, params)
         except LocalrunError as e:
@@ -146,9 +148,17 @@ class EngineLoop:
             return
         fmt = self.engine.reasoning
         closing = fmt.closing_text if split is not None and fmt is not None and params.think_budget is not None else ""
-        job = _Job(rid, tokens, params, stops, stream, n_ctx, split, closing)
+        job = _Job(rid, tokens, params, stops, stream, n_ctx, split, closing, cells)
         self.jobs[rid] = job
         self.queue.append(job)
+
+    def _cells(self, tokens: list[int]) -> int:
+        """The KV cells a prompt fills: its tokens, where an image counts its embeddings (an M-RoPE
+        image takes fewer positions, and placeholders, than it has embeddings)."""
+        if not tokens or min(tokens) >= 0:
+            return len(tokens)
+        count = getattr(self.engine, "prompt_cells", None)
+        return count(tokens) if count is not None else len(tokens)
 
     def _thinking(self, request: Request, tokens: list[int],
                   params: GenerationParams) -> tuple[Splitter | None, GenerationParams]:
@@ -400,7 +410,8 @@ class EngineLoop:
                 self._emit(job, tail, thinking)
         t_end = time.perf_counter()
         t0 = job.t0 or t_end
-        final = Chunk.final(finish, len(job.tokens), job.n_gen, t0, job.t1 or t_end, t_end, job.seed, job.reused)
+        reused = job.reused if job.cells == len(job.tokens) else self._cells(job.tokens[:job.reused])
+        final = Chunk.final(finish, job.cells, job.n_gen, t0, job.t1 or t_end, t_end, job.seed, reused)
         if job.split is not None:
             final = dataclasses.replace(final, thinking="" if job.stream else "".join(job.thought),
                                         thinking_tokens=job.n_thought)
