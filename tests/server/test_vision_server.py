@@ -10,7 +10,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import ollama
 import openai
 import pytest
 
