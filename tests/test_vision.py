@@ -234,3 +234,54 @@ def test_interactive_chat_attaches_an_image_and_keeps_it_in_the_history(vl: Visi
     assert p2 > p1 and "image encoded" not in second
     term.send("\x04")
     assert term.wait() == 0
+
+
+def test_image_embeddings_and_first_log_probs_agree_with_transformers(vl: VisionModel, pictures: list[Path]) -> None:
+    """What the engine's projector computes for an image equals transformers' vision tower and
+    merger on the same pixels (F32: relative difference below 1e-3), and the first reply token's
+    log-probabilities agree (their top 5 in the same order)."""
+    import numpy as np
+    import torch
+
+    from localrun.backends.llama_cpp import LlamaCppEngine
+    from localrun.backends.llama_vision import image_key
+    from localrun.backends.loop import EngineLoop
+    from tests.test_engine_loop import Record, run_until
+    from tests.vision_models import _loaded, _pixels, reference_image_embeddings
+
+    # Flash attention off: on the CPU its F16 keys and values alone differ by about 1e-3.
+    engine = LlamaCppEngine(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj), flash_attn=False))
+    try:
+        vision = engine.vision
+        assert vision is not None
+        request = Request.chat([user(PROMPT, pictures[0])])
+        tokens = engine.prompt_tokens(request, [])
+        chunk, n_pos = vision.chunks[image_key(min(tokens))[0]]
+        assert vision.mt.mtmd_encode_chunk(vision.ctx, chunk) == 0
+        n = vision.mt.mtmd_input_chunk_get_n_tokens(chunk)
+        got = np.ctypeslib.as_array(vision.mt.mtmd_get_output_embd(vision.ctx), shape=(n * engine.info()["n_embd"],))
+        want = reference_image_embeddings(vl, pictures[0])
+        got = got.reshape(want.shape).copy()
+        assert (n, n_pos) == (12, 4)
+        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        print("image embeddings: relative difference", rel)
+        assert rel < 1e-3
+        rec = Record()
+        loop = EngineLoop(engine, rec)
+        loop.submit("x", request, GenerationParams(temperature=0, max_tokens=1, logprobs=5))
+        run_until(loop, lambda: rec.final("x") is not None)
+        first = rec.logprobs["x"][0]
+    finally:
+        engine.close()
+    model, tok, processor = _loaded(str(vl.hf))
+    pixels, grid, _ = _pixels(processor, pictures[0])
+    ids = torch.tensor([reference_greedy(vl, pictures[0], PROMPT, 1).prompt_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == tok.convert_tokens_to_ids("<|image_pad|>")).long()).logits[0, -1]
+    logp = torch.log_softmax(logits.double(), -1)
+    top = torch.topk(logp, 5)
+    assert [t.token for t in first.top] == [tok.decode([int(i)]) for i in top.indices]
+    mine = np.array([t.logprob for t in first.top])
+    print("first token's top-5 log-probabilities: largest difference", float(np.abs(mine - top.values.numpy()).max()))
+    assert float(np.abs(mine - top.values.numpy()).max()) < 0.05, (mine, top.values)
