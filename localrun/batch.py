@@ -128,12 +128,18 @@ def _images(value: Any, base: Path | None, what: str) -> list[bytes]:
         path = Path(v).expanduser()
         if not path.is_absolute() and base is not None:
             path = base / path
-        if path.is_file():
+        try:
+            found = path.is_file()
+        except OSError:  # base64 text is too long for a file name
+            found = False
+        if found:
             out.append(images.read_file(path, f"image {j} ({v})"))
-        elif len(v) > 256 and "/" not in v[:64] and "." not in v[-8:]:  # long and not a file name: base64
+            continue
+        try:
             out.append(images.from_base64(v, f"image {j}"))
-        else:
-            raise UsageError(f"image {j}: no such file: {path}", "paths are relative to the input file")
+        except UsageError:
+            raise UsageError(f"image {j}: no such file: {path}",
+                             "paths are relative to the input file; or give the image as base64") from None
     return out
 
 

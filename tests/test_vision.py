@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,16 +109,9 @@ def test_image_requests_decode_beside_text_requests(vl: VisionModel, pictures: l
     finally:
         solo.close()
     session = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=3, mmproj=str(vl.mmproj)))
-    together: list[str] = [""] * 3
     try:
-        def one(i: int) -> None:
-            together[i] = ask(session, asks[i], params)[0]
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(3) as pool:  # each request from its own thread, as a server's clients
+            together = list(pool.map(lambda m: ask(session, m, params)[0], asks))
     finally:
         session.close()
     assert together == alone
@@ -198,16 +191,18 @@ def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: li
     rows = [{"id": "a", "prompt": PROMPT, "images": ["a.png"]},
             {"id": "b", "prompt": PROMPT, "images": [uri]},
             {"id": "c", "messages": [{"role": "user", "content": PROMPT, "images": ["a.png"]}]},
-            {"id": "d", "prompt": PROMPT, "images": ["missing.png"]}]
+            {"id": "d", "prompt": PROMPT, "images": ["missing.png"]},
+            {"id": "e", "prompt": PROMPT, "images": [uri.split(",", 1)[1]]}]  # plain base64, as Ollama sends it
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     res = run_cli("batch", str(vl.gguf), "--input", str(src), "--output", str(out), "--mmproj", str(vl.mmproj),
                   "--temperature", "0", "--max-tokens", "8", "--ctx", "512")
-    assert res.returncode == 1 and "4 rows (3 ok, 1 failed)" in res.stderr  # a failed row fails the run, not the others
+    assert res.returncode == 1 and "5 rows (4 ok, 1 failed)" in res.stderr  # a failed row fails the run, not the others
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     refs = [reference_greedy(vl, p, PROMPT, 8).text for p in pictures]
     assert got["a"]["text"] == refs[0] and got["c"]["text"] == refs[0] and got["b"]["text"] == refs[1]
+    assert got["e"]["text"] == refs[1]
     assert "no such file" in got["d"]["error"]
 
 

@@ -185,6 +185,11 @@ class Engine(Protocol):
         (the same image, the same placeholders), so that prefix matching finds images in caches."""
         ...
 
+    def prompt_cells(self, tokens: list[int]) -> int:
+        """Images: the KV cells a prompt with image placeholders fills (an image counts its
+        embeddings, which may be more than the positions its placeholders stand for)."""
+        ...
+
     def detokenizer(self, special: bool = False) -> Detokenizer:
         """A fresh incremental detokenizer for one reply (special: control tokens as text too)."""
         ...

@@ -155,10 +155,7 @@ class EngineLoop:
     def _cells(self, tokens: list[int]) -> int:
         """The KV cells a prompt fills: its tokens, where an image counts its embeddings (an M-RoPE
         image takes fewer positions, and placeholders, than it has embeddings)."""
-        if not tokens or min(tokens) >= 0:
-            return len(tokens)
-        count = getattr(self.engine, "prompt_cells", None)
-        return count(tokens) if count is not None else len(tokens)
+        return self.engine.prompt_cells(tokens) if tokens and min(tokens) < 0 else len(tokens)
 
     def _thinking(self, request: Request, tokens: list[int],
                   params: GenerationParams) -> tuple[Splitter | None, GenerationParams]:

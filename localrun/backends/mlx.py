@@ -675,6 +675,9 @@ class MLXEngine:
         return Sampled(slot, tok, self._logprob(logprobs, tok, top) if top is not None else None,
                        g is not None and g.breaks(tok, self.is_eog(tok)))
 
+    def prompt_cells(self, tokens: list[int]) -> int:
+        return len(tokens)  # an image's placeholders stand for its embeddings one for one here
+
     def images_encoded(self, slot: int) -> int:
         return self.vision.images_encoded(slot) if self.vision is not None else 0
 

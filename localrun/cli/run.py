@@ -83,8 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = target.params(params_from_args(args, target.defaults()), engine)
     name = target.preset_name or model.name
     session = api.load(model, target.load_options(options, engine), engine=engine)
-    if session.info().get("warning"):
-        print(f"localrun: warning: '{name}': {session.info()['warning']}", file=sys.stderr)
+    warning = session.info().get("warning")
+    if warning:
+        print(f"localrun: warning: '{name}': {warning}", file=sys.stderr)
     if args.verbose:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"

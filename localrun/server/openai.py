@@ -135,8 +135,7 @@ def _images(message: ChatMessage, i: int, config: Any) -> list[bytes]:
             out.append(images.fetch(url, what))
         else:
             raise UsageError(f"{what}: the url must be a data URI (or file:// / http(s) where the server allows)")
-        images.facts(out[-1], what)
-    return out
+    return out  # parse_messages checks each image
 
 
 def _media_file(url: str, what: str, media_dir: str | None) -> bytes:
