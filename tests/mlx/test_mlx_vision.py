@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -193,16 +193,8 @@ def test_sampling_stops_and_parallel_sequences(session: Any, pictures: list[Path
 
     params = GenerationParams(temperature=0, max_tokens=16)
     alone = [ask(session, m, params)[0] for m in asks]
-    together: list[str] = [""] * 3
-
-    def one(i: int) -> None:
-        together[i] = ask(session, asks[i], params)[0]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(3) as pool:  # each request from its own thread, as a server's clients
+        together = list(pool.map(lambda m: ask(session, m, params)[0], asks))
     assert together == alone
 
 
