@@ -7,13 +7,17 @@ supplies the format's constants (value types, quantization block sizes, file typ
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import mmap
 import os
 import re
 import struct
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from localrun.errors import BadModelFileError
 
@@ -22,6 +26,9 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME
 # Arrays whose items are kept (others are skipped and only counted).
 KEPT_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "general.languages", "general.tags"}
+# String arrays kept as their bytes and decoded on first use: a 152k-token vocabulary takes 0.2 s
+# to decode, which every `run` would pay before its model starts loading.
+LAZY_ARRAYS = {"tokenizer.ggml.tokens"}
 
 # The tensors of a mixture-of-experts layer's experts: llama.cpp's LLM_FFN_EXPS_REGEX, the pattern its
 # --cpu-moe override matches (with std::regex_search, as re.search does here).
@@ -178,6 +185,69 @@ def _safe(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+@functools.cache
+def gguf_constants() -> Any:
+    """gguf-py's constants module (enums and block sizes; it imports only the standard library).
+
+    Importing `gguf.constants` runs the package's __init__, which imports numpy, its reader and
+    its writer: 0.12 s that `localrun run` would pay before its model starts loading. So, unless
+    gguf is already imported, the module's file is loaded on its own, under a private name; only
+    names and sizes are read from it here (never gguf's enum classes handed out)."""
+    if "gguf.constants" in sys.modules:
+        return sys.modules["gguf.constants"]
+    spec = importlib.util.find_spec("gguf")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the gguf package is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "constants.py"
+    own = importlib.util.spec_from_file_location("localrun._gguf_constants", path)
+    assert own is not None and own.loader is not None
+    module = importlib.util.module_from_spec(own)
+    own.loader.exec_module(module)
+    return module
+
+
+class StringArray(Sequence[str]):
+    """A GGUF string array, bounds-checked when read, decoded when first used."""
+
+    def __init__(self, raw: bytes, count: int) -> None:
+        self._raw: bytes | None = raw
+        self._count = count
+        self._items: list[str] = []
+
+    def _decoded(self) -> list[str]:
+        if self._raw is not None:
+            raw, unpack, pos, out = self._raw, struct.unpack_from, 0, []
+            for _ in range(self._count):
+                n = unpack("<Q", raw, pos)[0]
+                out.append(raw[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+                pos += 8 + n
+            self._items, self._raw = out, None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        return self._decoded()[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self._decoded() == other._decoded()
+        return isinstance(other, (list, tuple)) and self._decoded() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-list semantics, as the list it stands for
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._count} strings)"
+
+
 class _Cursor:
     """A bounds-checked reader over the file's bytes."""
 
@@ -273,6 +343,10 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any
         return items, count
     if item_type == _STRING:
         cur.need(count * 8, f"array '{key}' ({count} items)")
+        if key in LAZY_ARRAYS:
+            start = cur.pos
+            cur.skip_strings(count, f"array '{key}'")
+            return StringArray(bytes(cur.buf[start : cur.pos]), count), count
         if keep:
             return cur.strings(count, f"array '{key}'"), count
         cur.skip_strings(count, f"array '{key}'")
@@ -315,7 +389,8 @@ def read_gguf(path: str | os.PathLike[str], whole_model: bool = True) -> GGUFMet
 def parse_gguf_header(buf: bytes | mmap.mmap, shown: str, size: int, whole_model: bool = True) -> GGUFMeta:
     """Parse and validate a GGUF header held in `buf` (the whole file, or its first bytes when
     `size` says how long the whole file is, as for a header read over HTTP)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    constants = gguf_constants()
+    GGML_QUANT_SIZES, GGMLQuantizationType = constants.GGML_QUANT_SIZES, constants.GGMLQuantizationType  # noqa: N806
 
     if buf[:4] != GGUF_MAGIC:
         raise BadModelFileError(f"'{shown}' is not a GGUF file", _describe_non_gguf(bytes(buf[:16])))
@@ -452,8 +527,7 @@ def _check_adapter(meta: GGUFMeta) -> None:
 
 def quantization_name(meta: GGUFMeta) -> str | None:
     """The file type (e.g. Q4_K_M), from general.file_type or the commonest tensor type."""
-    from gguf.constants import LlamaFileType
-
+    LlamaFileType = gguf_constants().LlamaFileType  # noqa: N806
     ft = meta.metadata.get("general.file_type")
     if isinstance(ft, int):
         try:

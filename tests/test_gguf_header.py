@@ -25,6 +25,17 @@ def test_reads_real_files(stories: Path, starter: Path) -> None:
     assert s.metadata["tokenizer.ggml.pre"] == "smollm"
 
 
+def test_the_vocabulary_decoded_when_asked_equals_gguf_pys(starter: Path) -> None:
+    import gguf
+
+    field = gguf.GGUFReader(starter).fields["tokenizer.ggml.tokens"]
+    want = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+    tokens = read_gguf(starter).metadata["tokenizer.ggml.tokens"]
+    assert repr(tokens) == "StringArray(49152 strings)"  # not decoded yet
+    assert len(tokens) == 49152 and tokens[0] == want[0] and tokens[-1] == want[-1] and tokens[1:3] == want[1:3]
+    assert tokens == want and list(tokens) == want and "<|im_start|>" in tokens
+
+
 def _bad(path: Path, match: str) -> None:
     with pytest.raises(BadModelFileError, match=match):
         read_gguf(path)
