@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
+import importlib.util
 import re
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +101,7 @@ def library() -> Any:
     if "ll" in _STATE:
         return _STATE["ll"]
     try:
-        import llama_cpp
-
-        ll: Any = llama_cpp
+        ll: Any = _bindings()
     except ImportError as e:
         raise BackendUnavailableError(
             "the llama.cpp engine is not installed (llama-cpp-python is missing)",
@@ -117,6 +118,33 @@ def library() -> Any:
     ll.llama_backend_init()
     _STATE["ll"] = ll
     return ll
+
+
+def _bindings() -> Any:
+    """llama-cpp-python's ctypes bindings (llama_cpp.llama_cpp), without its package's __init__
+    unless something imported it already.
+
+    The __init__ also imports the high-level Llama class, with numpy and jinja2: 0.11 s of the
+    engine process's start that localrun, which calls the bindings only, would wait for before the
+    model starts loading. The package is made without running it, and runs it the first time one of
+    its own names is asked for (`llama_cpp.Llama`), so other code in the process sees the whole
+    package as usual."""
+    if "llama_cpp" not in sys.modules:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or spec.loader is None:
+            raise ImportError("llama_cpp")
+        package = importlib.util.module_from_spec(spec)
+        loader = spec.loader
+
+        def whole(name: str) -> Any:
+            del package.__getattr__  # once: what __init__ defines is then found as usual
+            sys.modules["llama_cpp"] = package
+            loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = whole  # type: ignore[method-assign]
+        sys.modules["llama_cpp"] = package
+    return importlib.import_module("llama_cpp.llama_cpp")
 
 
 def last_log_error() -> str:
@@ -230,7 +258,7 @@ def libggml() -> Any:
     llama-cpp-python does not bind typed (backend registry, threadpools, tensors)."""
     from llama_cpp._ctypes_extensions import load_shared_library
 
-    lib = load_shared_library("ggml", Path(library().llama_cpp._base_path))
+    lib = load_shared_library("ggml", Path(library()._base_path))
     for name, res, args in _SIGNATURES:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args

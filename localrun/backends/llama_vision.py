@@ -45,9 +45,12 @@ class Vision:
     """One model's projector: image tokenization and evaluation for the engine's sequences."""
 
     def __init__(self, path: str, model: Any, threads: int, gpu: bool, flash_attn: bool | None = None) -> None:
-        from llama_cpp import mtmd_cpp as mt
+        import importlib
 
-        from localrun.backends.llama_loader import _STATE, LOG, last_log_error
+        from localrun.backends.llama_loader import _STATE, LOG, last_log_error, library
+
+        library()  # the bindings, without the package's high-level half (see llama_loader._bindings)
+        mt = importlib.import_module("llama_cpp.mtmd_cpp")
 
         if "mtmd_log" not in _STATE:  # the projector's log lines go where llama.cpp's go (not stderr)
             sink = _STATE["sink"]

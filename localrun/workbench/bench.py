@@ -252,7 +252,7 @@ class _Ggml:
 
         lib = self.lib = libggml()
         vp = ctypes.c_void_p
-        self.attach = ctypes.CFUNCTYPE(None, vp, vp, vp)(("llama_attach_threadpool", ll.llama_cpp._lib))
+        self.attach = ctypes.CFUNCTYPE(None, vp, vp, vp)(("llama_attach_threadpool", ll._lib))
         # As llama-bench does: the CPU backend's own threadpool functions, found through its registry.
         cpu = lib.ggml_backend_dev_by_type(_CPU_DEVICE)
         reg = lib.ggml_backend_dev_backend_reg(cpu) if cpu else None
