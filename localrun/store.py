@@ -340,6 +340,19 @@ class Store:
         """Names of every model, without reading any file."""
         return [e[0] for e in self._entries()]
 
+    def format_of(self, name_or_path: str) -> str | None:
+        """A model's format as the registry records it or its path shows it, reading no model
+        file; None when that cannot be said so cheaply (get() says why)."""
+        wanted = normalize_name(name_or_path)
+        for name, _path, fmt, _source, _entry in self._entries():
+            if name in (wanted, f"{wanted}:latest"):
+                return fmt
+        path = Path(name_or_path).expanduser()
+        try:
+            return detect_format(path) if path.exists() else None
+        except BadModelFileError:
+            return None
+
     def get(self, name_or_path: str) -> ModelInfo:
         """Find a model by name (`family:tag`, or `family` for a single tag) or by path."""
         wanted = normalize_name(name_or_path)

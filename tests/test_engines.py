@@ -39,6 +39,9 @@ class ThirdBackend:
     def available(self):
         return True
 
+    def warm(self):
+        pass
+
     def load(self, model, options):
         raise NotImplementedError
 

@@ -225,6 +225,10 @@ class Backend(Protocol):
         """Cheap probe: is the engine installed and usable here?"""
         ...
 
+    def warm(self) -> None:
+        """Import the engine's libraries ahead of a load (an engine process started early)."""
+        ...
+
     def load(self, model: ModelInfo, options: LoadOptions) -> Engine:
         """Load a model.
 

@@ -94,6 +94,9 @@ class LlamaCppBackend:
 
         return importlib.util.find_spec("llama_cpp") is not None
 
+    def warm(self) -> None:
+        library()
+
     def load(self, model: ModelInfo, options: LoadOptions) -> LlamaCppEngine:
         return LlamaCppEngine(model, options)
 

@@ -116,6 +116,9 @@ class MLXBackend:
     def available(self) -> bool:
         return mlx_installed()
 
+    def warm(self) -> None:
+        _import()
+
     def load(self, model: ModelInfo, options: LoadOptions) -> MLXEngine:
         if options.cpu_moe:
             raise UsageError(

@@ -44,6 +44,20 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
                                   ", or ".join(ways))
 
 
+def likely_engine(fmt: str | None, engine: str | None = None) -> str | None:
+    """The engine choose_engine will most likely pick for a model of this format (None: no
+    guess), without raising: a hint for starting an engine process early."""
+    if engine is not None or fmt is None:
+        return engine
+    for name in backends_for(fmt):
+        try:
+            if get_backend(name).available():
+                return name
+        except BackendUnavailableError:
+            continue
+    return None
+
+
 def engine_mismatch(model: ModelInfo, engine: str, candidates: tuple[str, ...]) -> tuple[str, str]:
     """Why --engine cannot run this model, and what to do instead."""
     message = (f"the {engine} engine cannot run '{model.name}': it is {describe_format(model.format)}, which runs on "

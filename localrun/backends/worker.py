@@ -51,11 +51,15 @@ class _PipeSink:
 STATS_EVERY_S = 0.25
 
 
-def serve() -> None:
-    """The worker's main loop: read requests between engine steps, block when idle."""
+def serve(warm: str | None = None) -> None:
+    """The worker's main loop: read requests between engine steps, block when idle. `warm` names
+    the engine whose modules are imported before the first request arrives (a guess: any engine
+    still loads)."""
     from localrun.backends.loop import EngineLoop
 
     chan = child_channel()
+    if warm:
+        _warm(warm)
     sink = _PipeSink(chan)
     engine: Any = None
     loop: EngineLoop | None = None
@@ -106,6 +110,15 @@ def serve() -> None:
         engine.close()
 
 
+def _warm(backend: str) -> None:
+    from localrun.backends.base import backend_class
+
+    try:
+        backend_class(backend)().warm()
+    except Exception:  # noqa: BLE001 - a wrong guess or a missing engine shows when the model loads
+        pass
+
+
 def _call(engine: Any, method: str, args: list[Any]) -> Any:
     if method == "tokenize":
         return engine.prompt_tokens(Request.from_dict(args[0]), [])
@@ -118,4 +131,6 @@ def _call(engine: Any, method: str, args: list[Any]) -> Any:
 
 
 if __name__ == "__main__":
-    serve()
+    import sys
+
+    serve(sys.argv[2] if sys.argv[1:2] == ["--warm"] and len(sys.argv) > 2 else None)

@@ -52,6 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """Answer PROMPT with MODEL and exit (only the reply goes to stdout), or chat interactively
     when no prompt is given. '-' (or a pipe) reads the prompt from stdin."""
+    from localrun import api
+
+    with api.engine_started_early(args.model, args.engine):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from localrun import api
