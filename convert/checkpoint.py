@@ -84,7 +84,7 @@ class Checkpoint:
         cls = self.arch.projector
         if cls is None:
             return None
-        arch = cls(self.config, processor_config(self.tokenizer_dir))
+        arch = cls(self.config, processor_config(self.tokenizer_dir), self.tokenizer_dir)
         return dataclasses.replace(self, arch=arch)
 
     def embedding_rows(self) -> int | None:

@@ -3,6 +3,7 @@ checkpoint, written beside its text model from the same weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import gguf
@@ -33,7 +34,13 @@ class Projector(Arch):
     # the type (other towers: patch embeddings F16 in an F16 file, else F32)
     f32_embeddings: ClassVar[bool] = False
 
-    def __init__(self, config: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        preprocessor: dict[str, Any] | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        """folder: the checkpoint's tokenizer files (for token embeddings the projector holds)."""
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
             raise ConvertError(
@@ -101,12 +108,12 @@ class Projector(Arch):
         self, name: str, shape: tuple[int, ...], outtype: gguf.GGMLQuantizationType
     ) -> gguf.GGMLQuantizationType:
         # as llama.cpp's converter: position embeddings in F32, patch embeddings (each piece of a
-        # split one too) in F16 for an F16 file and in F32 for every other type
+        # split one too) and a patch merger in F16 for an F16 file and in F32 for every other type
         F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
         if name.startswith("v.position_embd.") or (
             self.f32_embeddings and name.startswith("v.patch_embd.")
         ):
             return F32
-        if name.startswith("v.patch_embd.weight"):
+        if name.startswith(("v.patch_embd.weight", "mm.patch_merger.weight")):
             return F16 if outtype == F16 else F32
         return super().tensor_type(name, shape, outtype)

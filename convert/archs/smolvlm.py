@@ -3,6 +3,7 @@ shuffle and one projection map into the text embeddings (the projector file, ide
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -19,8 +20,13 @@ class Idefics3Projector(Projector):
     vision_prefixes = ("model.vision_model.", "model.connector.")
     f32_embeddings = True
 
-    def __init__(self, config: dict[str, Any], preprocessor: dict[str, Any] | None = None) -> None:
-        super().__init__(config, preprocessor)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        preprocessor: dict[str, Any] | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        super().__init__(config, preprocessor, folder)
         if self.vision.get("model_type") == "smolvlm_vision":
             # SmolVLM2's config leaves out transformers' defaults (llama.cpp's converter fills them)
             defaults = {"hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 3072}

@@ -1,33 +1,40 @@
 """Vision-language checkpoints to a text GGUF and a projector GGUF (mmproj) in one conversion,
 against llama.cpp's own convert_hf_to_gguf.py (text) and its --mmproj (projector) on the same
 checkpoint: the same tensors (names, order, shapes, types, bytes) and metadata, for Qwen2-VL,
-Qwen2.5-VL, Gemma 3 and Idefics3 / SmolVLM; and the same greedy reply to an image when llama.cpp
-runs Qwen2-VL's files.
+Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, LLaVA with a Pixtral tower and Mistral 3; and the same
+greedy reply to an image when llama.cpp runs Qwen2-VL's files, and as transformers gives it when
+llama.cpp runs ours of LLaVA-Pixtral and Mistral 3.
 
 Metadata that differs by design: general.name (llama.cpp's converter makes a display name of the
 folder name, "Qwen2 VL Tiny"; ours is the folder name, as for every text model), and the
 vocabulary's own keys that the tokenizer tests own (tokenizer.ggml.eot_token_id, add_space_prefix
 and remove_extra_whitespaces, which ours writes, and add_bos/add_eos_token False, which ours leaves
-implicit); GGUF.* counts follow from the rest. Gemma 3's test names two more.
+implicit); GGUF.* counts follow from the rest. Gemma 3's test names two more keys, and the Pixtral
+one a tensor that ours writes and llama.cpp's converter leaves out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import pytest
 from convert_helpers import (
+    _tokenizer,
     converter_cache,
     gguf_reader,
     gguf_tensors,
     llama_cpp_converter_dir,
     need_asset,
+    randomize,
 )
 
 import convert
@@ -55,10 +62,15 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, tuple]]:
     return fields, gguf_tensors(r)
 
 
-def assert_same_file(ours: Path, ref: Path) -> dict[str, Any]:
-    """Tensors equal in name, order, type, shape and bytes; metadata equal but for the keys above.
+def assert_same_file(ours: Path, ref: Path, ours_only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Tensors equal in name, order, type, shape and bytes (but the ours_only ones, which ours has
+    and the reference lacks); metadata equal but for the keys above.
     Returns our file's metadata, with each tensor's type as "tensor:NAME"."""
     (got, got_t), (want, want_t) = _read(ours), _read(ref)
+    types = {f"tensor:{name}": Q(t[0]) for name, t in got_t.items()}
+    for name in ours_only:
+        assert name in got_t and name not in want_t, name
+        del got_t[name]
     assert list(got_t) == list(want_t)
     for name, (qtype, shape, data) in want_t.items():
         assert got_t[name][:2] == (qtype, shape), name
@@ -68,7 +80,7 @@ def assert_same_file(ours: Path, ref: Path) -> dict[str, Any]:
             del want[key]
     assert {k: got.get(k) for k in want} == want
     assert set(got) - set(want) <= OURS_ONLY
-    return {**got, **{f"tensor:{name}": Q(t[0]) for name, t in got_t.items()}}
+    return {**got, **types}
 
 
 def _linked(src: Path, folder: Path, skip: tuple[str, ...] = ()) -> Path:
@@ -342,21 +354,229 @@ def test_smolvlm_files_equal_llama_cpps(tmp_path: Path) -> None:
     assert projector["tensor:v.patch_embd.weight"] == Q.F32 and projector["tensor:mm.model.fc.weight"] == Q.F16
 
 
-def test_a_vision_family_not_supported_yet_is_named_with_the_supported_ones(tmp_path: Path) -> None:
-    folder = tmp_path / "llava"
+# LLaVA with a Pixtral tower and Mistral 3: the Llama 2 vocabulary with the image tokens after it
+IMAGE_TOKENS = {"[IMG]": 32000, "[IMG_BREAK]": 32001, "[IMG_END]": 32002}
+PIXTRAL_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # the image, then the text
+WIDTH, HEIGHT = 128, 64  # whole patches (16) and merged patches (32), above mtmd's 8-token minimum: not resized
+
+
+@dataclass(frozen=True)
+class PixtralFamily:
+    """One tiny checkpoint, transformers' model and processor of it, and our F32 conversion."""
+
+    family: str  # "llava" or "mistral3"
+    hf: Path
+    model: Any
+    processor: Any
+    ours: convert.Result
+
+
+def _pixtral_checkpoint(folder: Path, family: str) -> tuple[Any, Any]:
+    """A tiny random LLaVA with a Pixtral tower (Pixtral 12B's layout: every patch of the last layer,
+    projector biases) or Mistral 3 (no biases, a 2x2 patch merger), on a Mistral text model, saved
+    with the Llama 2 SentencePiece tokenizer and the image tokens in tokenizer_config.json.
+
+    Weights: unit-scale embeddings and output rows, the output projections tripled, so that the
+    greedy reply depends on the image and its top-1 margins stay far above F32 rounding."""
+    import torch
+    import transformers as tf
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    text = {
+        "model_type": "mistral", "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    # 3 blocks: gguf's tensor map knows the projector's linear_2 (mm.2) only for more than 2
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": WIDTH, "patch_size": 16, "hidden_act": "silu"}
+    common = {"text_config": text, "vision_config": vision, "image_token_index": IMAGE_TOKENS["[IMG]"],
+              "vision_feature_layer": -1}
+    merge = 1
+    torch.manual_seed(0)
+    if family == "llava":
+        model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(**common, vision_feature_select_strategy="full"))
+    else:
+        merge = 2
+        model = tf.Mistral3ForConditionalGeneration(
+            tf.Mistral3Config(**common, spatial_merge_size=merge, multimodal_projector_bias=False))
+    seed = 5
+    randomize(model, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
+            p.copy_(torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(3.0)
+    model.eval().save_pretrained(folder)
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in IMAGE_TOKENS.items()}}))
+    # Mistral 3's processor aligns images to the merged patch, as mtmd does
+    processor = PixtralImageProcessorPil(size={"longest_edge": WIDTH}, patch_size=16 * merge,
+                                         image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3])
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+@pytest.fixture(scope="module", params=["llava", "mistral3"])
+def pixtral(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PixtralFamily:
+    family = request.param
+    folder = tmp_path_factory.mktemp(family)
+    model, processor = _pixtral_checkpoint(folder / "ckpt", family)
+    ours = convert.convert(folder / "ckpt", folder / f"{family}-f32.gguf", outtype="f32")
+    return PixtralFamily(family, folder / "ckpt", model, processor, ours)
+
+
+@pytest.mark.slow  # four runs of llama.cpp's converter per family
+def test_pixtral_files_equal_llama_cpps_but_for_the_img_break_row(pixtral: PixtralFamily, tmp_path: Path) -> None:
+    """LLaVA-Pixtral (text: llama) and Mistral 3 (text: mistral3; projector: the patch merger): F32
+    files, and F16 ones with an F16 (Mistral 3) or Q8_0 (LLaVA) projector, equal llama.cpp's.
+
+    One tensor differs by design: v.token_embd.img_break, the [IMG_BREAK] token's embedding, which
+    mtmd puts after each row of patches and refuses to load a pixtral projector without. llama.cpp's
+    converter means to copy it from the text embeddings but drops every language_model tensor before
+    it looks (llama.cpp issue 24235); ours writes it where that copy would come, first."""
+    from safetensors.numpy import load_file
+
+    hf, ours = pixtral.hf, pixtral.ours
+    mmproj_type = "q8_0" if pixtral.family == "llava" else "f16"
+    jobs = [("ref.gguf", "f32", False), ("ref-mmproj.gguf", "f32", True), ("ref-f16.gguf", "f16", False),
+            (f"ref-mmproj-{mmproj_type}.gguf", mmproj_type, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # each run is a process of its own
+        refs = list(pool.map(lambda job: _reference(hf, tmp_path / job[0], job[1], mmproj=job[2]), jobs))
+    assert ours.mmproj is not None
+    text = assert_same_file(ours.path, refs[0])
+    projector = assert_same_file(ours.mmproj.path, refs[1], ours_only=("v.token_embd.img_break",))
+    (first, *_), reader = gguf_tensors(ours.mmproj.path), gguf_reader(ours.mmproj.path)
+    row = load_file(hf / "model.safetensors")["language_model.model.embed_tokens.weight"][IMAGE_TOKENS["[IMG_BREAK]"]]
+    assert first == "v.token_embd.img_break" and bytes(reader.tensors[0].data) == row.tobytes()
+    assert projector["clip.projector_type"] == "pixtral" and projector["clip.use_silu"] is True
+    assert projector["clip.vision.patch_size"] == 16 and projector["clip.vision.image_size"] == WIDTH
+    if pixtral.family == "llava":
+        assert text["general.architecture"] == "llama" and "clip.vision.spatial_merge_size" not in projector
+        assert projector["tensor:mm.1.bias"] == Q.F32
+    else:
+        assert text["general.architecture"] == "mistral3" and projector["clip.vision.spatial_merge_size"] == 2
+        assert projector["tensor:mm.patch_merger.weight"] == Q.F32
+    res = convert.convert(hf, tmp_path / "m.gguf", outtype="f16", mmproj_outtype=mmproj_type)
+    assert res.mmproj is not None
+    assert_same_file(res.path, refs[2])
+    types = assert_same_file(res.mmproj.path, refs[3], ours_only=("v.token_embd.img_break",))
+    assert types["tensor:v.token_embd.img_break"] == Q.F32
+    if pixtral.family == "llava":  # a Q8_0 projector keeps its patch embeddings in F32
+        assert types["tensor:v.blk.0.attn_q.weight"] == Q.Q8_0 and types["tensor:v.patch_embd.weight"] == Q.F32
+    else:  # an F16 one has its patch embeddings and merger in F16, as llama.cpp's converter forces them
+        assert types["tensor:v.patch_embd.weight"] == types["tensor:mm.patch_merger.weight"] == Q.F16
+
+
+def _hf_greedy(pixtral: PixtralFamily, image: Path, n: int) -> list[bytes]:
+    """transformers' greedy reply (F32) to what mtmd makes of PIXTRAL_TEMPLATE's prompt: BOS, each row
+    of image patches followed by [IMG_BREAK], the last one by [IMG_END], then the text; each token
+    as its bytes."""
+    import torch
+    from PIL import Image
+
+    tok = _tokenizer("llama2-spm")
+    with Image.open(image) as file:
+        batch = pixtral.processor(images=[file.convert("RGB")], return_tensors="pt")
+    side = 16 * (2 if pixtral.family == "mistral3" else 1)
+    rows = [[IMAGE_TOKENS["[IMG]"]] * (WIDTH // side) + [IMAGE_TOKENS["[IMG_BREAK]"]] for _ in range(HEIGHT // side)]
+    rows[-1][-1] = IMAGE_TOKENS["[IMG_END]"]
+    ids = torch.tensor([[tok.bos_token_id, *(t for row in rows for t in row),
+                         *tok.encode(PROMPT, add_special_tokens=False)]])
+    with torch.no_grad():
+        out = pixtral.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                     do_sample=False, **batch)
+    pieces = tok.convert_ids_to_tokens(out[0, ids.shape[1]:].tolist())
+    return [bytes([int(p[3:5], 16)]) if p.startswith("<0x") else p.replace("\u2581", " ").encode() for p in pieces]
+
+
+def test_pixtral_files_reply_to_an_image_as_transformers_does(pixtral: PixtralFamily, tmp_path: Path) -> None:
+    """llama.cpp's runtime loads our pair (the projector with its [IMG_BREAK] row) and its greedy reply
+    is transformers', token for token, on the same pixels; another image, another reply."""
+    ours = pixtral.ours
+    assert ours.mmproj is not None
+    replies = []
+    for seed in (0, 1):
+        image = test_image(tmp_path / f"image{seed}.png", WIDTH, HEIGHT, seed=seed)
+        session = api.load(api.get_model(str(ours.path)),
+                           LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
+        try:
+            request = dataclasses.replace(
+                Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
+                template=PIXTRAL_TEMPLATE)
+            chunks = list(api.stream(session, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
+        finally:
+            session.close()
+        got = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+        assert got == _hf_greedy(pixtral, image, 8)
+        replies.append(got)
+    assert replies[0] != replies[1]  # the reply depends on the image: the projector is in use
+
+
+SUPPORTED_VISION = (
+    "Gemma3ForConditionalGeneration, Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, "
+    "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
+    "SmolVLMForConditionalGeneration"
+)
+
+
+def _config_only(folder: Path, config: dict[str, Any]) -> Path:
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_vision_family_not_supported_yet_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    folder = _config_only(tmp_path / "llava-next", {
+        "architectures": ["LlavaNextForConditionalGeneration"], "model_type": "llava_next",
+        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}})
     res = run_cli("convert", str(folder))
     assert res.returncode == 1
     assert res.stderr.strip().splitlines() == [
-        "localrun: vision-language architecture 'LlavaForConditionalGeneration' is not supported yet; "
-        "vision-language architectures the converter supports: Gemma3ForConditionalGeneration, "
-        "Idefics3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
-        "Qwen2_5_VLForConditionalGeneration, SmolVLMForConditionalGeneration"
+        "localrun: vision-language architecture 'LlavaNextForConditionalGeneration' is not supported yet; "
+        f"vision-language architectures the converter supports: {SUPPORTED_VISION}"
     ]
     assert list(folder.iterdir()) == [folder / "config.json"]
+
+
+def test_classic_llava_with_a_clip_tower_is_refused_by_name_with_the_reason(tmp_path: Path) -> None:
+    """llava-hf's LLaVA 1.5: llama.cpp's converter converts its text model, but with --mmproj stops at
+    the CLIP tower ("Unsupported model type"); only the Pixtral tower converts under this class name."""
+    folder = _config_only(tmp_path / "llava", {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}})
+    res = run_cli("convert", str(folder))
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [
+        "localrun: LlavaForConditionalGeneration with a 'clip_vision_model' vision tower (classic LLaVA, such as "
+        "LLaVA 1.5) is not supported: llama.cpp's converter writes no projector for it; convert LLaVA with a "
+        "Pixtral vision tower (Pixtral 12B) or another of the vision-language architectures the converter "
+        f"supports: {SUPPORTED_VISION}"
+    ]
+    assert list(folder.iterdir()) == [folder / "config.json"]
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "pixtral"},
+      "vision_feature_layer": -2, "vision_feature_select_strategy": "default"},
+     "LlavaForConditionalGeneration reads the vision tower's layer -2 ('default' patches); llama.cpp's "
+     "pixtral projector reads every patch of its last layer"),
+    ({"architectures": ["Mistral3ForConditionalGeneration"], "vision_config": {"model_type": "pixtral"},
+      "text_config": {"model_type": "ministral3"}},
+     "Mistral3ForConditionalGeneration with a 'ministral3' text model is not supported yet"),
+], ids=["feature-layer", "ministral3"])
+def test_pixtral_variants_llama_cpp_would_run_otherwise_fail_before_reading_weights(
+        config: dict[str, Any], message: str, tmp_path: Path) -> None:
+    folder = _config_only(tmp_path / "ckpt", config)
+    with pytest.raises(convert.ConvertError) as e:
+        convert.convert(folder, tmp_path / "m.gguf", outtype="f32")
+    assert e.value.message == message
+    assert list(tmp_path.glob("*.gguf")) == []
 
 
 def test_a_config_that_names_its_class_only_in_text_config_is_planned_as_the_same_pair(tmp_path: Path) -> None:
