@@ -3,21 +3,21 @@
 The high-level `Llama` wrapper spends about 0.4 ms of Python per token; this engine's step
 calls llama_decode over every running sequence and the native sampler chains directly.
 The engine loop (loop.py) decides what runs; this module only holds sequences and steps them.
+The engine's other parts are mixins beside it: its context and memory (llama_context.py), text
+and tokens (llama_tokens.py), samplers (llama_sampling.py), LoRA adapters (llama_adapters.py),
+embeddings (llama_embeddings.py) and drafting (llama_speculative.py).
 It runs inside the engine worker process (see worker.py), so a native abort cannot take
 localrun down.
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
-import dataclasses
 import os
 import time
-import warnings
 from typing import Any
 
-from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
+from localrun.backends.base import Abilities, Sampled
 from localrun.backends.drafting import (
     EXPLORE_EVERY,
     DraftControl,
@@ -26,37 +26,19 @@ from localrun.backends.drafting import (
     worth_drafting,
 )
 from localrun.backends.grammar import Grammars, GrammarState
-from localrun.backends.llama_draft import DraftModel, vocab_facts
-from localrun.backends.llama_loader import (
-    GGML_KV_TYPES,
-    LOG,
-    KvCacheReport,
-    last_log_error,
-    libggml,
-    library,
-    load_model,
-    new_context,
-)
+from localrun.backends.llama_adapters import LlamaAdapters
+from localrun.backends.llama_context import LlamaContext, cpu_moe_overrides
+from localrun.backends.llama_draft import DraftModel
+from localrun.backends.llama_embeddings import LlamaEmbeddings
+from localrun.backends.llama_loader import LOG, KvCacheReport, last_log_error, library, load_model
+from localrun.backends.llama_sampling import LlamaSampling
+from localrun.backends.llama_speculative import LlamaSpeculative
+from localrun.backends.llama_tokens import LlamaTokens
 from localrun.backends.llama_vision import Vision, image_start
-from localrun.chat import PLAIN_STOPS, render_plain
-from localrun.errors import (
-    BadModelFileError,
-    ContextOverflowError,
-    EngineError,
-    LocalrunError,
-    UsageError,
-)
-from localrun.fit import Shape, context_for, kv_cache_bytes
-from localrun.generation import (
-    GenerationParams,
-    LoadOptions,
-    Request,
-    TokenLogprob,
-    default_threads,
-)
+from localrun.errors import EngineError, LocalrunError, UsageError
+from localrun.fit import context_for
+from localrun.generation import GenerationParams, LoadOptions, default_threads
 from localrun.store import ModelInfo
-
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 
 def system_info() -> dict[str, Any]:
@@ -133,7 +115,8 @@ class _Seq:
         self.images = 0  # images its prompt evaluation encoded (those in the KV cache are not)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, LlamaEmbeddings,
+                     LlamaSpeculative):
     """A loaded model and one context of n_slots sequences: the engine loop's step operations."""
 
     abilities = ABILITIES
@@ -148,7 +131,7 @@ class LlamaCppEngine:
         self.cpu_moe_layers, host_bytes = 0, 0
         self._overrides: Any = None  # the override array and its patterns live as long as the model
         if options.cpu_moe:
-            self._overrides, self.cpu_moe_layers, host_bytes = _cpu_moe_overrides(ll, model, options.cpu_moe)
+            self._overrides, self.cpu_moe_layers, host_bytes = cpu_moe_overrides(ll, model, options.cpu_moe)
             mparams.tensor_buft_overrides = ctypes.addressof(self._overrides[0])
         self.gpu_layers = self._gpu_layers(options, host_bytes)
         mparams.n_gpu_layers = self.gpu_layers
@@ -214,118 +197,6 @@ class LlamaCppEngine:
             else:
                 self.vision_missing = f"its vision projector '{mmproj}' is missing: it reads no images"
 
-    def _load_drafter(self, options: LoadOptions) -> None:
-        from pathlib import Path
-
-        assert options.draft is not None
-        name = Path(options.draft).name
-        try:
-            if Path(options.draft).is_dir():
-                raise UsageError(f"draft model '{name}' is an MLX folder, and on llama.cpp a draft model is a GGUF file",
-                                 "pick a GGUF draft model, or use --draft lookup")
-            self.drafter = DraftModel(self.ll, options.draft, name, vocab_facts(self.ll, self.vocab), self.n_ctx,
-                                      self.n_slots, self.threads, self.gpu_layers, self.n_batch)
-        except UsageError as e:
-            if not options.draft_optional:
-                self.close()
-                raise
-            self.draft_refused = e.message
-        except BaseException:
-            self.close()
-            raise
-
-    def _llg_tokenizer(self) -> Any:
-        """llguidance's view of this vocabulary, with every end-of-generation token as its EOS."""
-        from localrun.constraint import import_llguidance
-
-        import_llguidance()
-        from llguidance.llamacpp import lltokenizer_from_vocab
-
-        eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
-        with warnings.catch_warnings():  # it reads each token through a name llama-cpp-python deprecates
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return lltokenizer_from_vocab(self.vocab, eos_token=eog)
-
-    def special_id(self, text: str) -> int | None:
-        """The id of the control or user-defined token spelled `text`, if the vocabulary has one."""
-        ids = self.tokenize(text, add_special=False, parse_special=True)
-        if len(ids) != 1:
-            return None
-        attr = self.ll.llama_vocab_get_attr(self.vocab, ids[0])
-        return ids[0] if attr & (self.ll.LLAMA_TOKEN_ATTR_CONTROL | self.ll.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
-
-    def make_context(self, n_ctx: int, n_parallel: int) -> None:
-        """Create the context once: n_parallel sequences of up to n_ctx tokens.
-
-        Each sequence has its own KV stream (kv_unified off): its attention then reads exactly
-        the cells it would read alone, so a sequence decoded in a batch gets bit-identical logits
-        to the same sequence decoded alone (with one sequence both layouts are the same).
-        """
-        ll, options = self.ll, self.options
-        self._free_context()
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = n_ctx * n_parallel
-        cparams.n_batch = min(options.n_batch, cparams.n_ctx)
-        cparams.n_ubatch = min(cparams.n_batch, 512)
-        cparams.n_seq_max = n_parallel
-        cparams.n_threads = self.threads
-        cparams.n_threads_batch = self.threads
-        cparams.no_perf = True
-        cparams.kv_unified = False
-        cparams.type_k = cparams.type_v = GGML_KV_TYPES[options.kv_type]
-        # A quantized V cache needs flash attention: on unless the user turned it off (LoadOptions refuses that)
-        flash = True if options.kv_type != "f16" and options.flash_attn is None else options.flash_attn
-        if flash is not None:
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        what = f"{n_ctx} tokens" if n_parallel == 1 else f"{n_parallel} sequences of {n_ctx} tokens"
-        LOG.kv_caches.clear()
-        try:
-            self.ctx = new_context(self.model, cparams, f"a context of {what} for '{self.model_info.name}'",
-                                   "try a smaller --ctx" if n_parallel == 1 else "try a smaller --parallel or --ctx")
-        except EngineError as e:
-            # llama.cpp refuses a quantized cache whose blocks (32 values) do not divide a head's size
-            reason = next((line.strip() for line in LOG.tail if "does not divide" in line), None)
-            if options.kv_type != "f16" and reason:
-                raise UsageError(f"--kv-type {options.kv_type} cannot hold the KV cache of '{self.model_info.name}': "
-                                 f"{reason.split(': ', 1)[-1]}", "use --kv-type f16") from e
-            raise
-        self.kv_caches = list(LOG.kv_caches)
-        self.n_slots = n_parallel
-        self.n_batch = cparams.n_batch
-        # While sequences generate, a step takes at most this many prompt tokens: a long prompt is
-        # then processed over several steps, each of which also gives every running sequence a token.
-        self.prefill_cap = max(32, self.n_batch // 4)
-        self.mem = ll.llama_get_memory(self.ctx)
-        self.batch = ll.llama_batch_init(max(cparams.n_batch, n_parallel), 0, 1)
-
-    def _slots_in_ram(self, size: int) -> int:
-        """How many sequences of size tokens the KV cache (of --kv-type) fits in half the available RAM."""
-        from localrun.system import ram_bytes
-
-        ll = self.ll
-        available = ram_bytes()[1]
-        if not available or self.gpu_layers != 0:
-            return 1 << 30  # on a GPU a failed allocation makes the constructor retry with fewer
-        head = ll.llama_model_n_embd(self.model) // max(1, ll.llama_model_n_head(self.model))
-        shape = Shape(ll.llama_model_n_layer(self.model), ll.llama_model_n_head_kv(self.model), head, head, None)
-        per_sequence = kv_cache_bytes(shape, size, self.options.kv_type)
-        return max(1, available // 2 // max(1, per_sequence))
-
-    def _free_context(self) -> None:
-        if self.batch is not None:
-            self.ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            self.ll.llama_free(self.ctx)
-            self.ctx = None
-
-    def _gpu_layers(self, options: LoadOptions, host_bytes: int = 0) -> int:
-        if not self.ll.llama_supports_gpu_offload():
-            return 0
-        if options.gpu_layers == "auto":
-            return -1 if _fits_on_gpu(self.model_info, host_bytes) else 0
-        return int(options.gpu_layers)
-
     def info(self) -> dict[str, Any]:
         return {
             "engine": "llama.cpp",
@@ -351,140 +222,12 @@ class LlamaCppEngine:
             **({"warning": self.vision_missing} if self.vision_missing else {}),
         }
 
-    # -- text <-> tokens ------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (self.ll.llama_token * n_max)()
-        n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (self.ll.llama_token * n_max)()
-            n = self.ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            raise EngineError("tokenization failed")
-        return list(buf[:n])
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        if not special:
-            cached = self._pieces.get(token)
-            if cached is None:
-                cached = self._pieces[token] = self._piece(token, False)
-            return cached
-        return self._piece(token, True)
-
-    def _piece(self, token: int, special: bool) -> bytes:
-        n = self.ll.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = self.ll.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
-            return big.raw[:n]
-        return self._piece_buf.raw[:n]
-
-    def token_text(self, token: int) -> str:
-        if token < 0 or token >= self.n_vocab:
-            return ""
-        return self.piece(token, special=True).decode("utf-8", errors="replace")
-
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
-
-    def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
-        """Render the request (chat template or raw) and tokenize it (images as placeholders)."""
-        images = [data for m in request.messages for data in m.images]
-        if images:
-            if self.vision is None:
-                raise UsageError(f"'{self.model_info.name}' does not support images"
-                                 + (f" ({self.vision_missing})" if self.vision_missing else ""),
-                                 "send text only, or load a vision model with its projector (--mmproj FILE)")
-            mark = self.vision.marker
-            if any(mark in m.content for m in request.messages):
-                raise UsageError(f"a message contains '{mark}', which marks an image on this model",
-                                 "remove it from the text")
-            # Each image goes before its message's text, as Ollama and llama-server place them.
-            request = dataclasses.replace(request, messages=tuple(
-                dataclasses.replace(m, content=mark * len(m.images) + m.content, images=()) if m.images else m
-                for m in request.messages))
-        if request.prompt is not None:
-            tokens = self.tokenize(request.prompt, add_special=True, parse_special=False)
-            return tokens or [self.bos]
-        bos_text = self.token_text(self.bos)
-        template = request.template or self._template
-        if template:
-            text = render_chat(template, self.reasoning, request, bos_text, self.token_text(self.eos))
-        else:
-            text = render_plain(request.messages)
-            stops.extend(PLAIN_STOPS)
-        # A template that writes the BOS itself must not get a second one.
-        add_special = self.add_bos and not (bos_text and text.startswith(bos_text))
-        if images:
-            assert self.vision is not None
-            return self.vision.tokenize(text, images, add_special)
-        return self.tokenize(text, add_special=add_special, parse_special=True) or [self.bos]
-
-    def text_tokens(self, text: str) -> list[int]:
-        return self.tokenize(text, add_special=False, parse_special=True)
-
+    # -- the engine loop's operations -----------------------------------------------------
     def force(self, slot: int, tokens: list[int]) -> None:
         q = self.seqs[slot]
         if q is not None:
             q.forced = list(tokens)
 
-    def is_eog(self, token: int) -> bool:
-        return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
-
-    def detokenizer(self, special: bool = False) -> _Utf8Pieces:
-        return _Utf8Pieces(self.piece_special if special else self.piece)
-
-    def piece_special(self, token: int) -> bytes:
-        return self.piece(token, special=True)
-
-    # -- LoRA adapters --------------------------------------------------------------------
-    def _adapter(self, path: str) -> Any:
-        """The loaded adapter of a GGUF LoRA file (loaded once, kept with the model)."""
-        handle = self._adapters.get(path)
-        if handle is None:
-            LOG.clear()
-            handle = self.ll.llama_adapter_lora_init(self.model, path.encode())
-            if not handle:
-                reason = last_log_error() or "llama.cpp could not load it"
-                raise BadModelFileError(
-                    f"cannot apply the LoRA adapter '{path}' to '{self.model_info.name}': {reason}",
-                    "an adapter runs only on the base model it was trained for; check its base with 'localrun show'")
-            self._adapters[path] = handle
-        return handle
-
-    def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:
-        """Apply these adapters (file, scale) to every sequence decoded from now on.
-
-        llama.cpp applies adapters per context, so the engine loop runs together only sequences
-        that use the same adapters, and keeps their KV caches apart from the others'.
-        """
-        lora = tuple(lora)
-        if lora == self.lora:
-            return
-        merged: dict[str, float] = {}
-        for path, scale in lora:
-            merged[path] = merged.get(path, 0.0) + scale
-        ll = self.ll
-        handles = [self._adapter(path) for path in merged]
-        n = len(handles)
-        if n:
-            arr = (ll.llama_adapter_lora_p_ctypes * n)(*handles)
-            scales = (ctypes.c_float * n)(*merged.values())
-            ll.llama_set_adapters_lora(self.ctx, arr, n, scales)
-        else:
-            ll.llama_set_adapters_lora(self.ctx, None, 0, None)
-        self.lora = lora
-
-    # -- the engine loop's operations -----------------------------------------------------
     def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
         ll, mem = self.ll, self.mem
         if source != slot:
@@ -515,32 +258,6 @@ class LlamaCppEngine:
                                      always=params.draft_always)
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
-
-    def _min_rate(self, model: bool, sequences: int) -> float:
-        """The share of its drafted tokens a sequence must keep for drafting (with the draft model,
-        or by lookup) to pay, with this many sequences decoding (StepCost)."""
-        if not model:
-            return self._cost.min_rate(sequences, 0.0, 0.3)
-        d = self.drafter
-        per_token = d.seconds / d.drafted if d is not None and d.drafted else 0.0
-        return self._cost.min_rate(sequences, per_token, 0.6)
-
-    def _model_drafts(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
-        """The draft model's drafts for these sequences; none (and no more drafting for them) if it fails."""
-        assert self.drafter is not None
-        try:
-            return self.drafter.draft(wants)
-        except EngineError:
-            for s in wants:
-                q = self.seqs[s]
-                if q is not None and q.control is not None:
-                    q.control.off = True
-            return {}
-
-    def drafts(self, slot: int) -> tuple[int, int]:
-        """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
-        q = self.seqs[slot]
-        return (q.control.drafted, q.control.accepted) if q is not None and q.control is not None else (0, 0)
 
     def prompt_cells(self, tokens: list[int]) -> int:
         """KV cells a prompt fills: an image counts its embeddings, not its positions."""
@@ -708,15 +425,6 @@ class LlamaCppEngine:
         self.ll.llama_memory_seq_rm(self.mem, slot, q.pos, -1)
         return q.pos
 
-    def _logprob(self, idx: int, token: int, top: int) -> TokenLogprob:
-        import numpy as np
-
-        ptr = self.ll.llama_get_logits_ith(self.ctx, idx)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
-        m = logits.max()
-        return token_logprob(logits - m - np.log(np.exp(logits - m).sum()), token, top,
-                             lambda t: self.piece(t, special=True))
-
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode over (token, position, sequence, wants_logits) entries."""
         b = self.batch
@@ -733,71 +441,6 @@ class LlamaCppEngine:
             raise EngineError(f"llama_decode failed (code {rc}){': ' + reason if reason else ''}",
                               "the context may be full; try a larger --ctx")
 
-    def make_sampler(self, params: GenerationParams, seed: int) -> Any:
-        ll = self.ll
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        if params.penalized:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
-                self.n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty))
-        if params.temperature <= 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-            return chain
-        if params.top_k > 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-        return chain
-
-    # -- embeddings -------------------------------------------------------------------------
-    def embed(self, texts: list[str]) -> Embeddings:
-        """Pooled (the file's pooling, else mean) and L2-normalised vectors, one text at a time."""
-        import numpy as np
-
-        ll = self.ll
-        if self._embed_ctx is None:
-            cparams = ll.llama_context_default_params()
-            cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = self.n_ctx
-            cparams.n_seq_max = 1
-            cparams.n_threads = cparams.n_threads_batch = self.threads
-            cparams.embeddings = True
-            cparams.no_perf = True
-            if self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
-                cparams.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN  # a generative model: mean of its tokens
-            self._embed_ctx = ll.llama_init_from_model(self.model, cparams)
-            if not self._embed_ctx:
-                raise EngineError(f"cannot create an embedding context for '{self.model_info.name}': "
-                                  f"{last_log_error() or 'not enough memory?'}")
-        ctx = self._embed_ctx
-        n_embd = ll.llama_model_n_embd(self.model)
-        batch = ll.llama_batch_init(self.n_ctx, 0, 1)
-        vectors: list[list[float]] = []
-        total = 0
-        try:
-            for text in texts:
-                tokens = self.tokenize(text, add_special=True, parse_special=False) or [self.bos]
-                if len(tokens) > self.n_ctx:
-                    raise ContextOverflowError(
-                        f"an input is {len(tokens)} tokens but the context holds {self.n_ctx}",
-                        "use a larger --ctx or shorter inputs")
-                total += len(tokens)
-                ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
-                for i, t in enumerate(tokens):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
-                    batch.seq_id[i][0], batch.logits[i] = 0, True
-                batch.n_tokens = len(tokens)
-                if ll.llama_decode(ctx, batch) != 0:
-                    raise EngineError(f"llama_decode failed while embedding {last_log_error()}".strip())
-                ptr = ll.llama_get_embeddings_seq(ctx, 0)
-                vec = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
-                norm = float(np.linalg.norm(vec))
-                vectors.append((vec / norm if norm > 0 else vec).tolist())
-        finally:
-            ll.llama_batch_free(batch)
-        return Embeddings(vectors, total)
 
     def close(self) -> None:
         ll = self.ll
@@ -822,71 +465,3 @@ class LlamaCppEngine:
             ll.llama_model_free(self.model)
             self.model = None
 
-
-class _Utf8Pieces:
-    """Token pieces to text without splitting a UTF-8 character across chunks."""
-
-    __slots__ = ("piece", "utf8")
-
-    def __init__(self, piece: Any) -> None:
-        self.piece = piece
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token: int) -> str:
-        return self.utf8.decode(self.piece(token))
-
-    def flush(self) -> str:
-        return self.utf8.decode(b"", final=True)
-
-
-def _fits_on_gpu(model: ModelInfo, host_bytes: int = 0) -> bool:
-    """Offload everything unless the GPU clearly lacks room (nvidia-smi when present); host_bytes
-    of the weights stay in host memory (--cpu-moe)."""
-    from localrun.system import gpus
-
-    cards = gpus()
-    if not cards or cards[0].get("free_bytes") is None:
-        return True
-    return bool((model.size - host_bytes) * 1.2 < cards[0]["free_bytes"])
-
-
-class _BuftOverride(ctypes.Structure):
-    """llama_model_tensor_buft_override: tensors whose name matches `pattern` go to `buft`."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def _cpu_buffer_type() -> int:
-    """ggml's CPU buffer type (host memory), the one llama.cpp's own --cpu-moe override names."""
-    lib = libggml()  # the CPU device's buffer type, from ggml's device registry
-    dev = lib.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
-    buft = lib.ggml_backend_dev_buffer_type(dev) if dev else None
-    if not buft:
-        raise EngineError("--cpu-moe: this llama.cpp build has no CPU buffer type", "run without --cpu-moe")
-    return int(buft)
-
-
-def _cpu_moe_overrides(ll: Any, model: ModelInfo, cpu_moe: int | str) -> tuple[Any, int, int]:
-    """The NULL-terminated override array that keeps the experts of the first N layers (or all)
-    in host memory, as llama.cpp's --n-cpu-moe / --cpu-moe build it; with the layers it covers and
-    their expert bytes.
-
-    Raises UsageError for a model without experts.
-    """
-    from localrun.errors import UsageError
-    from localrun.gguf_header import EXPERT_TENSORS, model_experts
-
-    experts = model_experts(model.details)
-    if experts is None:
-        raise UsageError(f"--cpu-moe: '{model.name}' is not a mixture-of-experts model (it has no expert tensors)",
-                         "drop --cpu-moe; --gpu-layers N keeps whole layers off the GPU instead")
-    layers = experts.cpu_layers(cpu_moe)
-    if layers >= experts.layers:
-        patterns = [EXPERT_TENSORS.encode()]
-    else:
-        patterns = [f"blk\\.{i}{EXPERT_TENSORS}".encode() for i in range(layers)]
-    buft = _cpu_buffer_type()
-    arr = (_BuftOverride * (len(patterns) + 1))()  # zeroed: the last entry ends the list
-    for entry, pattern in zip(arr, patterns, strict=False):
-        entry.pattern, entry.buft = pattern, buft
-    return (arr, patterns), layers, experts.host_bytes(layers)

@@ -1,0 +1,49 @@
+"""Sampling on the llama.cpp engine: a request's native sampler chain, and a sampled token's
+log-probability with the most likely alternatives."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from localrun.backends.base import token_logprob
+from localrun.generation import GenerationParams, TokenLogprob
+
+
+class LlamaSampling:
+    """The engine's samplers: one llama.cpp sampler chain per sequence, and log-probabilities."""
+
+    ll: Any
+    ctx: Any
+    n_vocab: int
+
+    if TYPE_CHECKING:  # defined by the engine's tokens mixin
+        def piece(self, token: int, special: bool = False) -> bytes:
+            ...
+
+    def _logprob(self, idx: int, token: int, top: int) -> TokenLogprob:
+        import numpy as np
+
+        ptr = self.ll.llama_get_logits_ith(self.ctx, idx)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+        m = logits.max()
+        return token_logprob(logits - m - np.log(np.exp(logits - m).sum()), token, top,
+                             lambda t: self.piece(t, special=True))
+
+    def make_sampler(self, params: GenerationParams, seed: int) -> Any:
+        ll = self.ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.penalized:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
+                self.n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty))
+        if params.temperature <= 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if params.top_k > 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        return chain
