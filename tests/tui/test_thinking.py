@@ -151,7 +151,7 @@ def test_the_block_while_the_thought_streams_then_when_it_closes(make_app: Any, 
     held = HeldStream(api.stream)
     monkeypatch.setattr(api, "stream", held)
     # Every piece is posted as it comes (not coalesced in time), so a held stream has shown all it let through.
-    monkeypatch.setattr("tui.screens.chat.FLUSH_INTERVAL_S", 0)
+    monkeypatch.setattr("tui.screens.chat_replies.FLUSH_INTERVAL_S", 0)
     asyncio.run(_mid_stream(make_app, held))
 
 

@@ -5,44 +5,29 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.screen import Screen
-from textual.widgets import Footer, Input, Markdown, Static
+from textual.widgets import Footer, Input, Static
 from textual.widgets.markdown import MarkdownStream
 
-from localrun import api
-from localrun.errors import EngineCrashedError, LocalrunError, UsageError
-from localrun.generation import GenerationParams
+from localrun.errors import LocalrunError
 from tui import attachments
 from tui.attachments import Attachment
-from tui.conversations import Conversation, Turn
-from tui.messages import ReplyDone, ReplyFailed, ReplyText
+from tui.conversations import Conversation
+from tui.screens.chat_replies import ChatReplies, reply_widgets
 from tui.screens.dialogs import ChatSettings, ConversationsScreen, SettingsScreen, output_label
 from tui.screens.image_picker import ImagePickerScreen
 from tui.widgets.attachments import AttachmentTray, PendingImageChip
-from tui.widgets.chat import (
-    AssistantMessage,
-    PromptInput,
-    ReplyError,
-    StatusBar,
-    ThinkingBlock,
-    UserMessage,
-)
+from tui.widgets.chat import AssistantMessage, PromptInput, StatusBar, ThinkingBlock, UserMessage
 from tui.widgets.navbar import NavBar
 
-# Streamed text reaches the UI at most this often: on 2 cores each Markdown update takes CPU
-# from the engine (20 Hz measured 0.87x of raw tok/s, 10 Hz 0.92x); the MarkdownStream coalesces further.
-FLUSH_INTERVAL_S = 1 / 10
 
-
-class ChatScreen(Screen[None]):
+class ChatScreen(ChatReplies):
     """One conversation with one model."""
 
     BINDINGS = [
@@ -84,15 +69,6 @@ class ChatScreen(Screen[None]):
             yield StatusBar()
         yield Footer()
 
-    @property
-    def status(self) -> StatusBar:
-        return self.query_one(StatusBar)
-
-    @property
-    def tray(self) -> AttachmentTray:
-        """The images attached to the next message."""
-        return self.query_one(AttachmentTray)
-
     # -- opening conversations ---------------------------------------------------------------
     async def open_model(self, model: str) -> None:
         """Start a new conversation with a model, using the app's default settings."""
@@ -121,7 +97,7 @@ class ChatScreen(Screen[None]):
         widgets: list[Any] = []
         for turn in conv.turns:
             widgets.extend(UserMessage(turn.content, turn.images).widgets() if turn.role == "user"
-                           else _reply_widgets(turn))
+                           else reply_widgets(turn))
         if widgets:
             await box.mount_all(widgets)
         box.scroll_end(animate=False)
@@ -133,11 +109,6 @@ class ChatScreen(Screen[None]):
         self.status.show(model=conv.model, state="ready", tokens_per_second=None, context_used=used,
                         context_length=self._context_length(conv.model), output=output_label(conv.output))
         self.sub_title = conv.title
-
-    def _context_length(self, model: str) -> int | None:
-        loaded = _loaded_model(self.app, model)
-        n = loaded.info.get("n_ctx") if loaded is not None else None
-        return int(n) if n else None
 
     # -- sending -----------------------------------------------------------------------------
     @on(Input.Submitted, "#prompt")
@@ -194,208 +165,6 @@ class ChatScreen(Screen[None]):
         self._user_widget = UserMessage(text, images)
         await box.mount_all(self._user_widget.widgets())
         await self._start(text, images, self.conversation.history(), regenerate=False)
-
-    async def _start(self, prompt: str, images: tuple[Attachment, ...], history: list[dict[str, Any]],
-                     regenerate: bool) -> None:
-        assert self.conversation is not None
-        box = self.query_one("#messages", VerticalScroll)
-        self._reply_widget = AssistantMessage()
-        await box.mount(self._reply_widget)
-        box.scroll_end(animate=False)
-        self._stream = Markdown.get_stream(self._reply_widget)
-        self._pending_prompt = prompt
-        self._pending_images = images
-        self._regenerating = regenerate
-        self.generation += 1
-        self.generating = True
-        self.cancel = threading.Event()
-        state = "loading model…" if _loaded_model(self.app, self.conversation.model) is None else "generating…"
-        self.status.show(state=state, tokens_per_second=None)
-        conv = self.conversation
-        self._generate(self.generation, conv.model, prompt, [a.data for a in images], conv.system, history,
-                       conv.params, self.cancel)
-
-    @work(thread=True, group="generate")
-    def _generate(self, generation: int, model: str, prompt: str, images: list[bytes], system: str,
-                  history: list[dict[str, Any]], params: GenerationParams, cancel: threading.Event) -> None:
-        """The engine's token loop, off the UI thread; text and thought are posted in coalesced pieces."""
-        models: Any = self.app.models  # type: ignore[attr-defined]
-        parts: list[str] = []
-        pending: list[str] = []
-        thought = _ThoughtClock()
-        last_post = time.monotonic()
-
-        def post() -> None:
-            if pending or thought.pending:
-                self.post_message(ReplyText(generation, "".join(pending), "".join(thought.pending),
-                                            len(thought.parts), thought.seconds()))
-                pending.clear()
-                thought.pending.clear()
-        loaded = model
-        seen = bool(images) or any(m.get("images") for m in history)  # the request shows the model images
-        try:
-            target = api.resolve_target(model)  # a model, an adapter, or base+adapter
-            loaded = target.model.name
-            with api.use_target(models, target, keep_alive=-1) as (session, engine):
-                self.app.call_from_thread(self._loaded, generation)
-                request = target.request(api.build_messages(prompt, system or None, history, images))
-                for chunk in api.stream(session, request, target.params(target.under(params), engine), cancel):
-                    if chunk.done:
-                        thought.end()
-                        post()
-                        stats = {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
-                                 "completion_tokens": chunk.completion_tokens,
-                                 "tokens_per_second": round(chunk.tokens_per_second, 2)}
-                        if seen:  # 0: every image was found in the engine's cache
-                            stats["images_encoded"] = chunk.images_encoded
-                        if chunk.drafted_tokens:
-                            stats["drafted_tokens"] = chunk.drafted_tokens
-                            stats["accepted_tokens"] = chunk.accepted_tokens
-                        if thought.parts or chunk.thinking_tokens:
-                            stats["thinking_tokens"] = chunk.thinking_tokens
-                            stats["thinking_seconds"] = round(thought.seconds(), 2)
-                        self.post_message(ReplyDone(generation, "".join(parts), stats, "".join(thought.parts)))
-                        return
-                    thought.feed(chunk.thinking, chunk.text)
-                    parts.append(chunk.text)
-                    pending.append(chunk.text)
-                    now = time.monotonic()
-                    if now - last_post >= FLUSH_INTERVAL_S:
-                        post()
-                        last_post = now
-            self.post_message(ReplyFailed(generation, "the engine ended the reply without finishing it"))
-        except EngineCrashedError as e:
-            models.unload(loaded)  # the next request loads it again
-            self.post_message(ReplyFailed(generation, str(e)))
-        except UsageError as e:  # this message's fault (images a text-only model cannot read)
-            self.post_message(ReplyFailed(generation, str(e), refused=True))
-        except LocalrunError as e:
-            self.post_message(ReplyFailed(generation, str(e)))
-        except Exception as e:  # noqa: BLE001 - whatever happens, the app keeps running
-            self.post_message(ReplyFailed(generation, f"{type(e).__name__}: {e}"))
-
-    def _loaded(self, generation: int) -> None:
-        if generation == self.generation and self.generating:
-            n = self._context_length(self.conversation.model) if self.conversation else None
-            self.status.show(state="generating…", context_length=int(n) if n else None)
-
-    async def on_reply_text(self, message: ReplyText) -> None:
-        if message.generation != self.generation or self._stream is None:
-            return
-        self.stream_updates += 1
-        if message.thinking:
-            block = await self._thought_block()
-            block.append(message.thinking)
-            block.progress(message.thinking_seconds, message.thinking_pieces)
-        if message.text:
-            if self._thought_widget is not None and not self._thought_widget.collapsed:
-                # The answer started: the thought folds away above it.
-                self._thought_widget.finish(message.thinking_seconds, message.thinking_pieces)
-                self._thought_widget.collapsed = True
-            await self._stream.write(message.text)
-        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
-
-    @property
-    def _thought_widget(self) -> ThinkingBlock | None:
-        """The thinking block of the reply in progress (the one its answer holds), if it thought."""
-        return self._reply_widget.thought if self._reply_widget is not None else None
-
-    async def _thought_block(self) -> ThinkingBlock:
-        """The reply's thinking block, mounted above the answer when the first thought arrives."""
-        reply = self._reply_widget
-        assert reply is not None
-        if reply.thought is None:
-            reply.thought = ThinkingBlock()
-            await self.query_one("#messages", VerticalScroll).mount(reply.thought, before=reply)
-        return reply.thought
-
-    async def _finish_stream(self) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
-
-    async def on_reply_done(self, message: ReplyDone) -> None:
-        if message.generation != self.generation:
-            return
-        await self._finish_stream()
-        stats = message.stats
-        if stats.get("finish_reason") == "cancelled":
-            await self._discard("Stopped; the reply was not kept")
-            self.generating = False  # settled: what the screen shows is final
-            return
-        assert self.conversation is not None
-        store: Any = self.app.conversations  # type: ignore[attr-defined]
-        if self._regenerating:
-            self.conversation = store.replace_last_reply(self.conversation.id, message.text, stats, message.thinking)
-        else:
-            self.conversation = store.add_exchange(self.conversation.id, self._pending_prompt, message.text, stats,
-                                                   message.thinking, self._pending_images)
-        if self._reply_widget is not None:
-            self._reply_widget.text = message.text
-        if self._thought_widget is not None:
-            self._thought_widget.finish(stats.get("thinking_seconds"), stats.get("thinking_tokens"))
-            # A reply that is all thought (cut inside it) keeps it open: there is nothing else to read.
-            self._thought_widget.collapsed = bool(message.text.strip())
-        self._user_widget = self._reply_widget = None
-        assert self.conversation is not None
-        self.sub_title = self.conversation.title
-        drafted = int(stats.get("drafted_tokens") or 0)
-        self.status.show(state="ready", tokens_per_second=stats.get("tokens_per_second") or None,
-                         drafts=(drafted, int(stats.get("accepted_tokens") or 0)) if drafted else None,
-                         context_used=int(stats.get("prompt_tokens", 0)) + int(stats.get("completion_tokens", 0)))
-        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
-        self.generating = False
-
-    async def on_reply_failed(self, message: ReplyFailed) -> None:
-        if message.generation != self.generation:
-            return
-        await self._finish_stream()
-        if message.refused and not self._regenerating:
-            await self._refused(message.error)
-        else:
-            await self._discard(message.error, error=True)
-        self.generating = False  # after the error is shown and the exchange removed
-
-    async def _refused(self, error: str) -> None:
-        """The model refused the message: the error stays in its reply's place, the message above it
-        (not kept); its text goes back to the prompt to send again without what was refused."""
-        if self._thought_widget is not None:
-            await self._thought_widget.remove()
-        if self._reply_widget is not None:
-            await self.query_one("#messages", VerticalScroll).mount(ReplyError(error), before=self._reply_widget)
-            await self._reply_widget.remove()
-        if self._user_widget is not None:
-            self._user_widget.add_class("-refused")
-            if self._user_widget.chips is not None:
-                self._user_widget.chips.add_class("-refused")
-        prompt = self.query_one("#prompt", Input)
-        if not prompt.value:
-            prompt.value = self._pending_prompt
-        self._user_widget = self._reply_widget = None
-        self.status.show(state="ready")
-        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
-
-    async def _discard(self, note: str, error: bool = False) -> None:
-        """Remove the unfinished exchange from the view; the stored conversation never had it."""
-        if self._thought_widget is not None:
-            await self._thought_widget.remove()
-        if self._reply_widget is not None:
-            await self._reply_widget.remove()
-        if self._regenerating and self.conversation is not None:
-            last = next((t for t in reversed(self.conversation.turns) if t.role == "assistant"), None)
-            if last is not None:  # put the kept reply back
-                await self.query_one("#messages", VerticalScroll).mount_all(_reply_widgets(last))
-        elif self._user_widget is not None:
-            await self._user_widget.remove_all()
-            prompt = self.query_one("#prompt", Input)
-            if not prompt.value:
-                prompt.value = self._pending_prompt  # give the prompt back to edit or resend
-            if not self.tray.items:
-                for image in self._pending_images:  # and its images
-                    await self.tray.add(image)
-        self._user_widget = self._reply_widget = None
-        self.status.show(state="ready" if not error else "error")
-        self.notify(note, severity="error" if error else "information", timeout=10 if error else 4)
 
     # -- actions -----------------------------------------------------------------------------
     def action_stop(self) -> None:
@@ -504,51 +273,8 @@ class ChatScreen(Screen[None]):
         self.notify(f"Exported to {out} (and {out.with_suffix('.json').name} beside it)")
 
 
-class _ThoughtClock:
-    """A streaming reply's thought: its pieces, those not yet posted, and how long it took (from
-    its first piece to the answer's first, or to the end of a reply that never answered)."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.pending: list[str] = []
-        self.start: float | None = None
-        self.stop: float | None = None
-
-    def feed(self, thinking: str, answer: str) -> None:
-        if thinking:
-            if self.start is None:
-                self.start = time.monotonic()
-            self.parts.append(thinking)
-            self.pending.append(thinking)
-        if answer:
-            self.end()
-
-    def end(self) -> None:
-        if self.start is not None and self.stop is None:
-            self.stop = time.monotonic()
-
-    def seconds(self) -> float:
-        if self.start is None:
-            return 0.0
-        return (self.stop if self.stop is not None else time.monotonic()) - self.start
-
-
-def _reply_widgets(turn: Turn) -> list[Any]:
-    """A stored reply's widgets: its thought (collapsed) above its answer, when it has one."""
-    reply = AssistantMessage(turn.content)
-    if not turn.thinking:
-        return [reply]
-    reply.thought = ThinkingBlock(turn.thinking, turn.thought_title(), collapsed=True)
-    return [reply.thought, reply]
-
-
 def _write(path: Path, text: str) -> None:
     """Write a file under a temporary name and rename it over the old one."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
-
-
-def _loaded_model(app: Any, model: str) -> Any:
-    """The pool's entry for model when it is loaded, else None."""
-    return next((m for m in app.models.loaded() if m.name in (model, model.split("+")[0])), None)
