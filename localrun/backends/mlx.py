@@ -4,27 +4,24 @@ Sequences run through mlx-lm's BatchGenerator (continuous batching: prefill in c
 token computed while the current one is handed out), driven by the shared engine loop. The chat
 template is rendered by localrun's sandboxed Jinja, not by transformers. It runs inside the
 engine worker process. A vision-language model (config.json with a vision_config) loads through
-mlx-vlm when it is installed, and its sequences run beside each other on it (mlx_vision).
+mlx-vlm when it is installed, and its sequences run beside each other on it (mlx_vision). Its
+text side is in mlx_text, its samplers in mlx_sampling, its drafting in mlx_speculative.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Abilities, Embeddings, Sampled, render_chat, token_logprob
-from localrun.backends.drafting import (
-    EXPLORE_EVERY,
-    DraftControl,
-    PromptLookup,
-    StepCost,
-    worth_drafting,
-)
+from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
+from localrun.backends.drafting import DraftControl, PromptLookup, StepCost, worth_drafting
 from localrun.backends.grammar import Grammars, GrammarState
-from localrun.backends.mlx_speculative import PREFILL_STEP, MLXDraftModel, SpecSeq
+from localrun.backends.mlx_model import flat_rope, layers_prefix
+from localrun.backends.mlx_sampling import constrain, forcing, make_sampler, penalties
+from localrun.backends.mlx_speculative import MLXDrafting, MLXDraftModel, SpecSeq
+from localrun.backends.mlx_text import MLXText
 from localrun.backends.mlx_vision import (
     VLM_HINT,
     VisionModel,
@@ -32,10 +29,7 @@ from localrun.backends.mlx_vision import (
     read_config,
     unsupported,
     vlm_installed,
-    with_image_parts,
 )
-from localrun.chat import PLAIN_STOPS, render_plain
-from localrun.constraint import import_llguidance
 from localrun.errors import (
     BackendUnavailableError,
     BadModelFileError,
@@ -43,7 +37,7 @@ from localrun.errors import (
     UsageError,
 )
 from localrun.fit import context_for
-from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import GenerationParams, LoadOptions, TokenLogprob
 from localrun.store import ModelInfo
 
 INSTALL_HINT = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
@@ -146,163 +140,7 @@ class MLXBackend:
                 ("device", str(facts.get("device")))]
 
 
-def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable[[Any], Any]:
-    """Sampling in llama.cpp's order (top-k, top-p, min-p, temperature) with mlx-lm's kernels."""
-    from mlx_lm.sample_utils import (
-        apply_min_p,
-        apply_top_k,
-        apply_top_p,
-        categorical_sampling,
-        greedy_sampler,
-    )
-
-    if params.temperature <= 0:
-        return greedy_sampler
-    steps: list[Callable[[Any], Any]] = []
-    if 0 < params.top_k < vocab_size:
-        steps.append(lambda x: apply_top_k(x, params.top_k))
-    if params.top_p < 1.0:
-        steps.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        steps.append(lambda x: apply_min_p(x, params.min_p))
-    temp = params.temperature
-
-    def sample(logprobs: Any) -> Any:
-        for step in steps:
-            logprobs = step(logprobs)
-        return categorical_sampling(logprobs, temp)
-
-    return sample
-
-
-def constrain(mx: Any, grammar: GrammarState, n_fed: int) -> Callable[[Any, Any], Any]:
-    """A logits processor that applies a sequence's grammar: it advances the matcher over the
-    tokens generated since its last call, then masks what the grammar forbids."""
-    import numpy as np
-
-    def process(tokens: Any, logits: Any) -> Any:
-        generated = tokens[n_fed:]
-        for t in np.array(generated[grammar.consumed:]).tolist():
-            grammar.accept(int(t))
-        if not grammar.active:
-            return logits
-        allowed = grammar.allowed(lambda: np.array(logits[0].astype(mx.float32)))
-        vocab = logits.shape[-1]
-        if allowed.shape[0] < vocab:
-            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=bool)])
-        return mx.where(mx.array(allowed[:vocab])[None], logits, -float("inf"))
-
-    return process
-
-
-def forcing(mx: Any, queue: list[int]) -> Callable[[Any, Any], Any]:
-    """A logits processor that leaves only the next queued token possible while the queue (a
-    thinking budget's closing marker, filled by Engine.force) has any; last in the chain."""
-
-    def process(tokens: Any, logits: Any) -> Any:
-        if not queue:
-            return logits
-        keep = queue.pop(0)
-        ids = mx.arange(logits.shape[-1])[None]
-        return mx.where(ids == keep, mx.zeros_like(logits), mx.full(logits.shape, -float("inf"), logits.dtype))
-
-    return process
-
-
-def penalties(mx: Any, params: GenerationParams, n_fed: int) -> Callable[[Any, Any], Any]:
-    """llama.cpp's repetition, frequency and presence penalties over the last `repeat_last_n`
-    generated tokens (not the prompt).
-
-    mlx-lm passes a processor every token fed so far; the first `n_fed` of them are the prompt.
-    """
-    import numpy as np
-
-    penalty, last_n = params.repeat_penalty, params.repeat_last_n
-    freq, present = params.frequency_penalty, params.presence_penalty
-
-    def process(tokens: Any, logits: Any) -> Any:
-        generated = tokens[n_fed:]
-        if last_n > 0:
-            generated = generated[-last_n:]
-        if generated.size == 0:
-            return logits
-        ids, counts = np.unique(np.array(generated), return_counts=True)
-        idx = mx.array(ids)
-        picked = logits[:, idx]
-        if penalty != 1.0:
-            picked = mx.where(picked < 0, picked * penalty, picked / penalty)
-        picked = picked - mx.array(counts.astype(np.float32)) * freq - present
-        logits[:, idx] = picked
-        return logits
-
-    return process
-
-
-def _layers_prefix(model: Any) -> str:
-    """Where mlx-lm's model keeps its decoder layers, as a parameter path: 'model.layers.'."""
-    layers = getattr(model, "layers", None)
-    if layers:
-        for name, module in model.named_modules():
-            if module is layers[0] and "." in name:
-                return name.rsplit(".", 1)[0] + "."
-    return "model.layers."
-
-
-class _Detok:
-    """mlx-lm's streaming detokenizer, keeping the reply's leading space as llama.cpp does.
-
-    mlx-lm drops it because it decodes replies on their own; a continuation needs it
-    ("The capital of France is" + " Paris").
-    """
-
-    __slots__ = ("d",)
-
-    def __init__(self, tokenizer: Any) -> None:
-        detok = tokenizer.detokenizer  # a fresh copy
-        if hasattr(detok, "trim_space"):  # SentencePiece
-            detok.trim_space = False
-        elif hasattr(detok, "_maybe_trim_space"):  # byte-level BPE
-            detok._maybe_trim_space = lambda text: text
-        self.d = detok
-
-    def feed(self, token: int) -> str:
-        self.d.add_token(token)
-        return str(self.d.last_segment)
-
-    def flush(self) -> str:
-        self.d.finalize()
-        return str(self.d.last_segment)
-
-
-def _flat_rope(folder: Path) -> dict[str, Any]:
-    """mlx_rope_keys of a folder's config.json ({} when it cannot be read)."""
-    import json
-
-    try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return mlx_rope_keys(cfg) if isinstance(cfg, dict) else {}
-
-
-def mlx_rope_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 saves rope_theta and the scaling (yarn, llama3, linear...) inside
-    rope_parameters, where mlx-lm's models do not look: they would run with their default base
-    and no scaling. The top-level keys mlx-lm reads, for a config that lacks them."""
-    rope = cfg.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return {}
-    out: dict[str, Any] = {}
-    if cfg.get("rope_theta") is None and isinstance(rope.get("rope_theta"), int | float):
-        out["rope_theta"] = float(rope["rope_theta"])
-    kind = rope.get("rope_type") or rope.get("type")
-    if cfg.get("rope_scaling") is None and kind not in (None, "default"):
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        out["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
-    return out
-
-
-class MLXEngine:
+class MLXEngine(MLXText, MLXDrafting):
     """A model on MLX whose sequences run through mlx-lm's continuous batching (BatchGenerator).
 
     A slot's KV cache is taken back from the generator when its request ends, so the next
@@ -327,7 +165,7 @@ class MLXEngine:
         if config is None:
             try:
                 self.model, self.tokenizer, config = mlx_lm.load(str(path), return_config=True,
-                                                                 model_config=_flat_rope(path))
+                                                                 model_config=flat_rope(path))
             except FileNotFoundError as e:
                 raise BadModelFileError(f"cannot load model '{model.name}' ({path}): {e}",
                                         "an MLX model is a folder with config.json, *.safetensors and tokenizer files") from e
@@ -412,23 +250,13 @@ class MLXEngine:
         self.tokenizer = load_tokenizer(path, eos_token_ids=self.vision.eos_token_ids)
         return self.vision.config
 
-    def _no_images(self) -> UsageError:
-        """Why this model reads no images, and what to do."""
-        name = self.model_info.name
-        if self.vision_refused:
-            return UsageError(f"'{name}' is a vision-language model, but {self.vision_refused}: on MLX it reads text only",
-                              self.vision_hint)
-        return UsageError(f"'{name}' is a text-only model: it reads no images",
-                          "send text only, or run a vision-language model (an MLX folder made by mlx_vlm.convert, "
-                          "or a GGUF with its projector on the llama.cpp engine)")
-
     def _apply_lora(self) -> None:
         """Convert the PEFT adapters to one mlx-lm adapter (cached) and apply it with mlx-lm's loader."""
         from mlx_lm.tuner.utils import load_adapters
 
         from localrun.backends.mlx_adapters import llama_hint, mlx_adapter
 
-        folder = mlx_adapter(self.lora, _layers_prefix(self.model))
+        folder = mlx_adapter(self.lora, layers_prefix(self.model))
         names = ", ".join(f"'{p}'" for p, _ in self.lora)
         try:
             load_adapters(self.model, str(folder))
@@ -441,37 +269,6 @@ class MLXEngine:
                 + llama_hint(self.lora[0][0] if len(self.lora) == 1 else "ADAPTER_DIR")) from e
         self.model.eval()
         self.mx.eval(self.model.parameters())
-
-    def _llg_tokenizer(self) -> Any:
-        """llguidance's view of the Hugging Face tokenizer, with every EOS token as its EOS, once
-        it is shown to agree with the model's own tokenizer (BackendUnavailableError if not)."""
-        from localrun.backends.grammar_vocab import agreeing_tokenizer
-
-        import_llguidance()
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        backend = getattr(hf, "backend_tokenizer", None)
-        if backend is None:
-            raise UsageError(f"structured output on MLX needs a fast (tokenizer.json) tokenizer; "
-                             f"'{self.model_info.name}' has another kind ({type(hf).__name__})")
-
-        def emitted(ids: list[int]) -> str:  # what a reply of these tokens shows
-            detok = self.detokenizer()
-            return "".join(detok.feed(t) for t in ids) + detok.flush()
-
-        return agreeing_tokenizer(backend, self.vocab_size, sorted(self.eos), self.model_info.name, emitted)
-
-    def special_id(self, text: str) -> int | None:
-        """The id of the added (special) token spelled `text`, if the tokenizer has one."""
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        added: dict[str, int] = getattr(hf, "get_added_vocab", dict)()
-        tid = added.get(text)
-        return int(tid) if tid is not None else None
-
-    def _chat_template(self) -> str | None:
-        tpl = getattr(self.tokenizer, "chat_template", None)
-        if isinstance(tpl, dict):
-            tpl = tpl.get("default") or next(iter(tpl.values()), None)
-        return tpl if isinstance(tpl, str) and tpl.strip() else None
 
     def info(self) -> dict[str, Any]:
         quant = self.config.get("quantization")
@@ -500,58 +297,6 @@ class MLXEngine:
             out["warning"] = f"a vision-language model, but {self.vision_refused}: it reads text only"
         return out
 
-    # -- text <-> tokens ----------------------------------------------------------------------
-    def _encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        tok = self.tokenizer
-        if parse_special:
-            return list(tok.encode(text, add_special_tokens=add_special))
-        try:
-            return list(tok.encode(text, add_special_tokens=add_special, split_special_tokens=True))
-        except TypeError:  # a slow tokenizer without the option
-            return list(tok.encode(text, add_special_tokens=add_special))
-
-    def prompt_tokens(self, request: Request, stops: list[str]) -> list[int]:
-        """Render the request (chat template or raw) and tokenize it, as the llama.cpp engine does."""
-        tok = self.tokenizer
-        fallback = [tok.bos_token_id if tok.bos_token_id is not None else 0]
-        if request.images:
-            return self._image_prompt(request)
-        if request.prompt is not None:
-            return self._encode(request.prompt, add_special=True, parse_special=False) or fallback
-        bos = tok.bos_token or ""
-        template = request.template or self.template
-        if template:
-            text = render_chat(template, self.reasoning, request, bos, tok.eos_token or "")
-        elif getattr(tok, "_chat_template", None) is not None:
-            # A renderer shipped as Python inside mlx-lm itself (not model-provided Jinja).
-            text = tok.apply_chat_template([m.to_dict() for m in request.messages], tokenize=False,
-                                           add_generation_prompt=True)
-        else:
-            text = render_plain(request.messages)
-            stops.extend(PLAIN_STOPS)
-        # A template that writes the BOS itself must not get a second one.
-        return self._encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True) or fallback
-
-    def _image_prompt(self, request: Request) -> list[int]:
-        """A chat request with images, rendered with their content parts and prepared by mlx-vlm's processor."""
-        if self.vision is None:
-            raise self._no_images()
-        template = request.template or self.template
-        if not template:
-            raise UsageError(f"'{self.model_info.name}' has no chat template to place images in",
-                             "give the request a template, or send text only")
-        tok = self.tokenizer
-        bos = tok.bos_token or ""
-        text = render_chat(template, self.reasoning, with_image_parts(request), bos, tok.eos_token or "")
-        images = [data for m in request.messages for data in m.images]
-        return self.vision.prompt(text, images, add_special=not (bos and text.startswith(bos)))
-
-    def is_eog(self, token: int) -> bool:
-        return token in self.eos
-
-    def text_tokens(self, text: str) -> list[int]:
-        return self._encode(text, add_special=False, parse_special=True)
-
     def force(self, slot: int, tokens: list[int]) -> None:
         """BatchGenerator samples a sequence's next token while handing out the current one: once
         the sequence generates, that token, sampled before the force, is replaced by the first
@@ -568,9 +313,6 @@ class MLXEngine:
             picked = mx.arange(ahead.shape[0]) == batch.uids.index(uid)
             batch._next_tokens = mx.where(picked, mx.array(queue.pop(0), dtype=ahead.dtype), ahead)
         queued[:] = queue
-
-    def detokenizer(self, special: bool = False) -> _Detok:
-        return _Detok(self.tokenizer)
 
     # -- the engine loop's operations -----------------------------------------------------
     def start(self, slot: int, tokens: list[int], params: GenerationParams, seed: int, source: int, keep: int) -> int:
@@ -683,101 +425,6 @@ class MLXEngine:
 
     def images_encoded(self, slot: int) -> int:
         return self.vision.images_encoded(slot) if self.vision is not None else 0
-
-    def drafts(self, slot: int) -> tuple[int, int]:
-        """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
-        q = self.spec.get(slot)
-        return (q.control.drafted, q.control.accepted) if q is not None else self.spec_counts[slot]
-
-    def _spec_step(self) -> list[Sampled]:
-        """One forward pass for each drafting sequence: its next token and its drafts (mlx_speculative)."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        mx = self.mx
-        out: list[Sampled] = []
-        decoding = len(self.uids) + sum(q.last >= 0 for q in self.spec.values())
-        for slot, q in list(self.spec.items()):
-            if q.last < 0:  # the prompt, a chunk per step, all but its last token (evaluated with the drafts)
-                end = min(len(q.tokens) - 1, q.todo + PREFILL_STEP)
-                if end > q.todo:
-                    self.model(mx.array(q.tokens[q.todo:end])[None], cache=q.cache)
-                    mx.eval([c.state for c in q.cache])
-                    q.todo = q.pos = end
-                if end < len(q.tokens) - 1:
-                    continue
-                q.last = q.tokens[-1]
-            # A sequence goes on in the generator (batched, pipelined) when its drafting stops, when
-            # other sequences decode, or when drafts could not pay even if all were kept (on a CPU a
-            # pass costs about as much per token as it evaluates: they never pay there).
-            q.control.min_rate = self._min_rate(q.history is not None)
-            if not q.control.always and (q.control.off or decoding > 1
-                                         or not worth_drafting(q.control.min_rate, q.control.draft_max)):
-                self._to_generator(slot, q)
-                continue
-            self._drafting_steps += 1  # a pass without drafts now and then keeps the measure of both sizes
-            explore = self._drafting_steps % EXPLORE_EVERY == 0 and not q.control.always
-            want = 0 if explore else q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2))
-            draft: list[int] = []
-            if want and q.lookup is not None:
-                draft = q.lookup.draft(want)
-            elif want and q.history is not None and self.drafter is not None:
-                draft = self.drafter.draft(slot, q.history, want)
-            if len(draft) < q.control.draft_min:
-                draft = []
-            inputs = [q.last, *draft]
-            t0 = time.perf_counter()
-            logits = self.model(mx.array(inputs)[None], cache=q.cache)[0]
-            if q.processors:  # each position sees the tokens before it, drafts included
-                rows = []
-                for i in range(len(inputs)):
-                    row, context = logits[i:i + 1], mx.array(q.seen + inputs[:i + 1])
-                    for process in q.processors:
-                        row = process(context, row)
-                    rows.append(row)
-                logits = mx.concatenate(rows, axis=0)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = [int(t) for t in q.sampler(logprobs).tolist()]
-            self._cost.record(len(inputs), time.perf_counter() - t0)
-            # each position is sampled as without drafts; a draft stands while the sample equals it
-            accepted = 0
-            while accepted < len(draft) and sampled[accepted] == draft[accepted] and not self.is_eog(sampled[accepted]):
-                accepted += 1
-            kept = sampled[:accepted + 1]
-            trim_prompt_cache(q.cache, len(draft) - accepted)
-            q.seen.extend(inputs[:accepted + 1])
-            q.pos += accepted + 1
-            for i, tok in enumerate(kept):
-                out.append(Sampled(slot, tok, self._logprob(logprobs[i], tok, q.logprobs) if q.logprobs is not None else None))
-            if draft:
-                q.control.record(len(draft), accepted)
-            if q.lookup is not None:
-                q.lookup.extend(kept)
-            elif q.history is not None:
-                q.history.extend(kept)
-            q.room -= len(kept)
-            q.last = kept[-1]
-        return out
-
-    def _min_rate(self, model: bool) -> float:
-        """The share of its drafted tokens a sequence must keep for drafting (with the draft model,
-        or by lookup) to pay. It is verified alone, in a pass of its own (StepCost): a drafted token
-        costs that pass's time per position, plus the draft model's time for it, and a kept one
-        saves a step of the generator (or, before one is measured, of such a pass)."""
-        d = self.drafter
-        per_token = d.seconds / d.drafted if model and d is not None and d.drafted else 0.0
-        fitted = self._cost.fit()
-        if fitted is None or not self._gen_step:
-            return self._cost.min_rate(1, per_token, 0.6 if model else 0.3)
-        return (fitted[1] + per_token) / self._gen_step
-
-    def _to_generator(self, slot: int, q: SpecSeq) -> None:
-        """A sequence that stops drafting goes on in the generator, with its KV cache."""
-        del self.spec[slot]
-        self.spec_counts[slot] = (q.control.drafted, q.control.accepted)
-        (uid,) = self.gen.insert([[q.last]], max_tokens=[max(1, self.n_ctx - q.pos - 1)], caches=[q.cache],
-                                 all_tokens=[q.seen], samplers=[q.sampler], logits_processors=[q.processors])
-        self.uids[uid] = slot
-        self.slot_uid[slot] = uid
 
     def finish(self, slot: int) -> int:
         if self.vision is not None:

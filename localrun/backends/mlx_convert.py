@@ -115,7 +115,7 @@ def _mlx_lm_view(src: Path, work: Path) -> Path:
         cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return src  # mlx-lm says what is wrong with it
-    from localrun.backends.mlx import mlx_rope_keys
+    from localrun.backends.mlx_model import mlx_rope_keys
 
     extra: dict[str, Any] = mlx_rope_keys(cfg)
     for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):

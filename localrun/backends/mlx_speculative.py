@@ -22,9 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.drafting import DraftControl, PromptLookup
+from localrun.backends.base import Sampled
+from localrun.backends.drafting import (
+    EXPLORE_EVERY,
+    DraftControl,
+    PromptLookup,
+    StepCost,
+    worth_drafting,
+)
 from localrun.backends.llama_draft import DECAY, P_MIN, vocab_mismatch
 from localrun.errors import BadModelFileError, UsageError
+from localrun.generation import TokenLogprob
 
 PREFILL_STEP = 2048  # prompt tokens evaluated per forward pass
 
@@ -139,3 +147,118 @@ class MLXDraftModel:
     def close(self) -> None:
         self.caches = []
         self.model = None
+
+
+class MLXDrafting:
+    """MLXEngine's drafting half: the sequences that draft, each in a forward pass of its own."""
+
+    mx: Any
+    model: Any
+    gen: Any
+    n_ctx: int
+    uids: dict[int, int]
+    slot_uid: list[int | None]
+    spec: dict[int, SpecSeq]
+    spec_counts: list[tuple[int, int]]
+    drafter: MLXDraftModel | None
+    _cost: StepCost
+    _drafting_steps: int
+    _gen_step: float
+    is_eog: Callable[[int], bool]
+    _logprob: Callable[[Any, int, int], TokenLogprob]
+
+    def drafts(self, slot: int) -> tuple[int, int]:
+        """Tokens drafted for the slot's reply so far, and how many of them the model kept."""
+        q = self.spec.get(slot)
+        return (q.control.drafted, q.control.accepted) if q is not None else self.spec_counts[slot]
+
+    def _spec_step(self) -> list[Sampled]:
+        """One forward pass for each drafting sequence: its next token and its drafts (mlx_speculative)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        mx = self.mx
+        out: list[Sampled] = []
+        decoding = len(self.uids) + sum(q.last >= 0 for q in self.spec.values())
+        for slot, q in list(self.spec.items()):
+            if q.last < 0:  # the prompt, a chunk per step, all but its last token (evaluated with the drafts)
+                end = min(len(q.tokens) - 1, q.todo + PREFILL_STEP)
+                if end > q.todo:
+                    self.model(mx.array(q.tokens[q.todo:end])[None], cache=q.cache)
+                    mx.eval([c.state for c in q.cache])
+                    q.todo = q.pos = end
+                if end < len(q.tokens) - 1:
+                    continue
+                q.last = q.tokens[-1]
+            # A sequence goes on in the generator (batched, pipelined) when its drafting stops, when
+            # other sequences decode, or when drafts could not pay even if all were kept (on a CPU a
+            # pass costs about as much per token as it evaluates: they never pay there).
+            q.control.min_rate = self._min_rate(q.history is not None)
+            if not q.control.always and (q.control.off or decoding > 1
+                                         or not worth_drafting(q.control.min_rate, q.control.draft_max)):
+                self._to_generator(slot, q)
+                continue
+            self._drafting_steps += 1  # a pass without drafts now and then keeps the measure of both sizes
+            explore = self._drafting_steps % EXPLORE_EVERY == 0 and not q.control.always
+            want = 0 if explore else q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2))
+            draft: list[int] = []
+            if want and q.lookup is not None:
+                draft = q.lookup.draft(want)
+            elif want and q.history is not None and self.drafter is not None:
+                draft = self.drafter.draft(slot, q.history, want)
+            if len(draft) < q.control.draft_min:
+                draft = []
+            inputs = [q.last, *draft]
+            t0 = time.perf_counter()
+            logits = self.model(mx.array(inputs)[None], cache=q.cache)[0]
+            if q.processors:  # each position sees the tokens before it, drafts included
+                rows = []
+                for i in range(len(inputs)):
+                    row, context = logits[i:i + 1], mx.array(q.seen + inputs[:i + 1])
+                    for process in q.processors:
+                        row = process(context, row)
+                    rows.append(row)
+                logits = mx.concatenate(rows, axis=0)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = [int(t) for t in q.sampler(logprobs).tolist()]
+            self._cost.record(len(inputs), time.perf_counter() - t0)
+            # each position is sampled as without drafts; a draft stands while the sample equals it
+            accepted = 0
+            while accepted < len(draft) and sampled[accepted] == draft[accepted] and not self.is_eog(sampled[accepted]):
+                accepted += 1
+            kept = sampled[:accepted + 1]
+            trim_prompt_cache(q.cache, len(draft) - accepted)
+            q.seen.extend(inputs[:accepted + 1])
+            q.pos += accepted + 1
+            for i, tok in enumerate(kept):
+                out.append(Sampled(slot, tok, self._logprob(logprobs[i], tok, q.logprobs) if q.logprobs is not None else None))
+            if draft:
+                q.control.record(len(draft), accepted)
+            if q.lookup is not None:
+                q.lookup.extend(kept)
+            elif q.history is not None:
+                q.history.extend(kept)
+            q.room -= len(kept)
+            q.last = kept[-1]
+        return out
+
+    def _min_rate(self, model: bool) -> float:
+        """The share of its drafted tokens a sequence must keep for drafting (with the draft model,
+        or by lookup) to pay. It is verified alone, in a pass of its own (StepCost): a drafted token
+        costs that pass's time per position, plus the draft model's time for it, and a kept one
+        saves a step of the generator (or, before one is measured, of such a pass)."""
+        d = self.drafter
+        per_token = d.seconds / d.drafted if model and d is not None and d.drafted else 0.0
+        fitted = self._cost.fit()
+        if fitted is None or not self._gen_step:
+            return self._cost.min_rate(1, per_token, 0.6 if model else 0.3)
+        return (fitted[1] + per_token) / self._gen_step
+
+    def _to_generator(self, slot: int, q: SpecSeq) -> None:
+        """A sequence that stops drafting goes on in the generator, with its KV cache."""
+        del self.spec[slot]
+        self.spec_counts[slot] = (q.control.drafted, q.control.accepted)
+        (uid,) = self.gen.insert([[q.last]], max_tokens=[max(1, self.n_ctx - q.pos - 1)], caches=[q.cache],
+                                 all_tokens=[q.seen], samplers=[q.sampler], logits_processors=[q.processors])
+        self.uids[uid] = slot
+        self.slot_uid[slot] = uid
+

@@ -89,7 +89,7 @@ def unsupported(cfg: dict[str, Any]) -> str | None:
 def rope_keys(text: dict[str, Any]) -> dict[str, Any]:
     """What a text config saved by transformers 5 lacks for mlx-vlm: rope_theta, and rope_scaling
     (with an M-RoPE model's mrope_section) from rope_parameters."""
-    from localrun.backends.mlx import mlx_rope_keys
+    from localrun.backends.mlx_model import mlx_rope_keys
 
     out = mlx_rope_keys(text)
     rope = text.get("rope_parameters")
