@@ -58,6 +58,13 @@ from llama_cpp import Llama
 import llama_cpp.mtmd_cpp
 print(llama_cpp.llama_cpp is ll, llama_cpp.Llama is Llama, llama_cpp.llama_decode is ll.llama_decode,
       llama_cpp.__version__ == __import__("importlib.metadata").metadata.version("llama-cpp-python"))
-"""], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert out[0] == "[]"  # the bindings only: no numpy, jinja2 or high-level Llama class
-    assert out[1] == "True True True True"  # and the whole package for whoever asks for it after
+from localrun.backends.llama_loader import LOG, load_model, model_params
+from localrun.store import starter_model_path
+load_model(str(starter_model_path()), "starter", model_params(0))
+print(len(LOG.tail) > 10)
+"""], capture_output=True, text=True, check=True)
+    lines = out.stdout.split("\n")
+    assert lines[0] == "[]"  # the bindings only: no numpy, jinja2 or high-level Llama class
+    assert lines[1] == "True True True True"  # and the whole package for whoever asks for it after
+    # whose own __init__ sets a log callback of its own: llama.cpp's log still reaches localrun's sink
+    assert lines[2] == "True" and "llama_model_loader" not in out.stderr and "print_info" not in out.stderr

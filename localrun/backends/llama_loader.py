@@ -140,6 +140,8 @@ def _bindings() -> Any:
             del package.__getattr__  # once: what __init__ defines is then found as usual
             sys.modules["llama_cpp"] = package
             loader.exec_module(package)
+            if "sink" in _STATE:  # its __init__ sets its own log callback (stderr): llama.cpp's log stays ours
+                package.llama_log_set(_STATE["sink"], ctypes.c_void_p(0))
             return getattr(package, name)
 
         package.__getattr__ = whole  # type: ignore[method-assign]
