@@ -279,11 +279,13 @@ def engine_started_early(model: str, engine: str | None = None) -> Iterator[None
     from localrun.backends.selection import likely_engine
     from localrun.backends.session import early_worker
 
-    try:
-        fmt = store().format_of(model)
-    except LocalrunError:
-        fmt = None
-    with early_worker(likely_engine(fmt, engine)):
+    def guess() -> str | None:
+        try:
+            return likely_engine(store().format_of(model), engine)
+        except LocalrunError:
+            return None
+
+    with early_worker(guess):
         yield
 
 

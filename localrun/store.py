@@ -343,10 +343,9 @@ class Store:
     def format_of(self, name_or_path: str) -> str | None:
         """A model's format as the registry records it or its path shows it, reading no model
         file; None when that cannot be said so cheaply (get() says why)."""
-        wanted = normalize_name(name_or_path)
-        for name, _path, fmt, _source, _entry in self._entries():
-            if name in (wanted, f"{wanted}:latest"):
-                return fmt
+        entry = _named(self._entries(), normalize_name(name_or_path))
+        if entry is not None:
+            return entry[2]
         path = Path(name_or_path).expanduser()
         try:
             return detect_format(path) if path.exists() else None
@@ -357,12 +356,7 @@ class Store:
         """Find a model by name (`family:tag`, or `family` for a single tag) or by path."""
         wanted = normalize_name(name_or_path)
         entries = self._entries()
-        by_name = {e[0]: e for e in entries}
-        entry = by_name.get(wanted) or by_name.get(f"{wanted}:latest")
-        if entry is None and ":" not in wanted:
-            family = [e for e in entries if e[0].split(":", 1)[0] == wanted]
-            if len(family) == 1:
-                entry = family[0]
+        entry = _named(entries, wanted)
         if entry is not None:
             name, path, fmt, source, extra = entry
             if not os.path.exists(path):
@@ -590,6 +584,18 @@ class Store:
             found = self.converted_from(base_path)
             return found[0] if found else None
         return None
+
+
+def _named(entries: list[tuple[str, str, str, str, dict[str, Any]]], wanted: str,
+           ) -> tuple[str, str, str, str, dict[str, Any]] | None:
+    """The entry a (normalized) name means: `family:tag`, `family:latest`, or the one tag of `family`."""
+    by_name = {e[0]: e for e in entries}
+    entry = by_name.get(wanted) or by_name.get(f"{wanted}:latest")
+    if entry is None and ":" not in wanted:
+        family = [e for e in entries if e[0].split(":", 1)[0] == wanted]
+        if len(family) == 1:
+            entry = family[0]
+    return entry
 
 
 def _with_preset_paths(entries: list[tuple[str, str, str, str, dict[str, Any]]]

@@ -230,25 +230,25 @@ def test_an_engine_started_early_is_the_one_the_load_takes_and_one_left_unused_i
     from localrun.backends import session as sessions
 
     with api.engine_started_early(str(starter)):
-        (early,) = sessions._EARLY
+        ((early, warmed),) = sessions._EARLY
         s = api.load(str(starter), LoadOptions(n_ctx=512))
         assert not sessions._EARLY
     try:
         assert s.child is early  # the load took the started process, warmed for llama.cpp
-        assert early.proc.args[-2:] == ["--warm", "llama.cpp"]
+        assert warmed == "llama.cpp"
         assert collect(s, Request.raw("The capital of France is"), GenerationParams(temperature=0, max_tokens=4))[1]
     finally:
         s.close()
     with api.engine_started_early("no-such-model", engine=None):
-        (unused,) = sessions._EARLY
-        assert unused.proc.args[-2:] != ["--warm", "llama.cpp"]  # nothing to guess from: no engine warmed
+        ((unused, warmed),) = sessions._EARLY
+        assert warmed != "llama.cpp"  # nothing to guess from: no engine warmed
     assert not sessions._EARLY and not _alive(unused.proc.pid)
 
 
 def test_an_engine_started_early_on_a_wrong_guess_still_loads_the_model(starter: Path) -> None:
     from localrun.backends import session as sessions
 
-    with sessions.early_worker("mlx"):  # warming an engine that is not the model's (or not installed)
+    with sessions.early_worker(lambda: "mlx"):  # warming an engine that is not the model's (or not installed)
         s = api.load(str(starter), LoadOptions(n_ctx=512))
     try:
         assert s.info()["engine"] == "llama.cpp"

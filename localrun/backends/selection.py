@@ -29,12 +29,9 @@ def choose_engine(model: ModelInfo, engine: str | None = None) -> str:
         if not get_backend(engine).available():
             raise BackendUnavailableError(f"the {engine} engine is not installed", backend_class(engine).install_hint)
         return engine
-    for name in candidates:
-        try:
-            if get_backend(name).available():
-                return name
-        except BackendUnavailableError:
-            continue
+    found = _first_available(candidates)
+    if found is not None:
+        return found
     if not candidates:
         raise BackendUnavailableError(
             f"no engine can run '{model.name}' ({model.format} format)", "run 'localrun doctor'")
@@ -49,7 +46,11 @@ def likely_engine(fmt: str | None, engine: str | None = None) -> str | None:
     guess), without raising: a hint for starting an engine process early."""
     if engine is not None or fmt is None:
         return engine
-    for name in backends_for(fmt):
+    return _first_available(backends_for(fmt))
+
+
+def _first_available(names: tuple[str, ...]) -> str | None:
+    for name in names:
         try:
             if get_backend(name).available():
                 return name

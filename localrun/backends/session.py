@@ -22,34 +22,39 @@ from localrun.errors import EngineCrashedError, EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
-_EARLY: list[Child] = []
+_EARLY: list[tuple[Child, str | None]] = []  # engine processes started early, and the engine each warms
 _EARLY_LOCK = threading.Lock()
 
 
 def _take_early() -> Child | None:
     with _EARLY_LOCK:
-        child = _EARLY.pop() if _EARLY else None
+        child = _EARLY.pop()[0] if _EARLY else None
     return child if child is not None and child.alive else None
 
 
 @contextlib.contextmanager
-def early_worker(backend: str | None = None) -> Iterator[None]:
+def early_worker(guess: Callable[[], str | None]) -> Iterator[None]:
     """Start an engine process now, for the first model loaded in the block; one not taken is
     closed at its end.
 
     A one-shot command (run) starts it before finding its model, so the process's start (the
-    interpreter, the engine loop's modules and, when `backend` is named, that engine's: about
-    0.15 s) overlaps with the command's own work instead of following it."""
-    child = Child("localrun.backends.worker", ["--warm", backend] if backend else [])
+    interpreter and the engine loop's modules, about 0.15 s) overlaps with the command's own work
+    instead of following it. `guess()`, asked once the process is starting, names the engine whose
+    libraries it imports while it waits for its model (None: none)."""
+    child = Child("localrun.backends.worker")
+    backend = guess()
+    if backend:
+        child.send({"op": "warm", "backend": backend})
+    entry = (child, backend)
     with _EARLY_LOCK:
-        _EARLY.append(child)
+        _EARLY.append(entry)
     try:
         yield
     finally:
         with _EARLY_LOCK:
-            unused = child in _EARLY
+            unused = entry in _EARLY
             if unused:
-                _EARLY.remove(child)
+                _EARLY.remove(entry)
         if unused:
             child.close()
 

@@ -3,7 +3,7 @@ session.py), started and read through isolation.py as every child process of loc
 crash becomes an EngineCrashedError and the caller keeps running.
 
 The worker runs the model's engine loop (loop.py); many requests are in flight at once, each
-with its own id. Protocol: one JSON object per line. Parent -> worker: {"op": "load" | "submit" |
+with its own id. Protocol: one JSON object per line. Parent -> worker: {"op": "warm" | "load" | "submit" |
 "cancel" | "call" | "close", "i": id, ...}. Worker -> parent: {"i": id, "t": text, "l"?: logprobs}
 while a reply streams, then {"i": id, "chunk": final, "text"?: whole reply}; {"i": id, "ok": value}
 for calls; {"i": id, "error": {...}}; and {"s": [prompt, completion tokens]} (totals, every
@@ -51,15 +51,11 @@ class _PipeSink:
 STATS_EVERY_S = 0.25
 
 
-def serve(warm: str | None = None) -> None:
-    """The worker's main loop: read requests between engine steps, block when idle. `warm` names
-    the engine whose modules are imported before the first request arrives (a guess: any engine
-    still loads)."""
+def serve() -> None:
+    """The worker's main loop: read requests between engine steps, block when idle."""
     from localrun.backends.loop import EngineLoop
 
     chan = child_channel()
-    if warm:
-        _warm(warm)
     sink = _PipeSink(chan)
     engine: Any = None
     loop: EngineLoop | None = None
@@ -80,6 +76,8 @@ def serve(warm: str | None = None) -> None:
                     loop.cancel(rid)
                 elif op == "call" and engine is not None:
                     chan.send({"i": rid, "ok": _call(engine, msg["method"], msg.get("args", []))})
+                elif op == "warm" and engine is None:  # a guess, before the load: any engine still loads
+                    _warm(msg["backend"])
                 elif op == "load":
                     from localrun.backends.base import get_backend
 
@@ -131,6 +129,4 @@ def _call(engine: Any, method: str, args: list[Any]) -> Any:
 
 
 if __name__ == "__main__":
-    import sys
-
-    serve(sys.argv[2] if sys.argv[1:2] == ["--warm"] and len(sys.argv) > 2 else None)
+    serve()
