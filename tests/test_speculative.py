@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from localrun import api
-from localrun.backends.drafting import DraftControl, PromptLookup, lookup
+from localrun.backends.drafting import DraftControl, DraftRecord, PromptLookup, lookup
 from localrun.generation import GenerationParams, LoadOptions
 
 MODEL = "smollm2:135m"
@@ -59,6 +59,40 @@ def test_draft_length_follows_acceptance_and_drafting_stops_when_it_does_not_pay
     for _ in range(4):
         late.record(4, 1)  # a quarter kept: over half of min_rate, so the whole window is waited for
     assert late.off and late.drafted == 16
+
+
+def test_sequences_after_drafts_that_did_not_pay_skip_the_trial_with_a_growing_backoff() -> None:
+    """A draft model's trial costs its decodes: after sequences in a row turned drafting off, only
+    every 2nd, 4th, 8th, 16th new one tries again; one whose drafting lasted a window resets that."""
+    record = DraftRecord()
+
+    def sequence(kept: int, drafted: int = 16) -> DraftControl:
+        c = DraftControl(draft_max=8, min_rate=0.6, window=16)
+        for i in range(drafted // 4):
+            c.record(4, 4 if i < kept else 0)
+        return c
+
+    def starts(n: int) -> list[bool]:
+        return [record.starts() for _ in range(n)]
+
+    assert starts(3) == [True] * 3  # nothing measured: every sequence drafts
+    failed = sequence(kept=0)
+    assert failed.off
+    record.finished(failed)
+    assert starts(4) == [False, True, False, True]  # every 2nd
+    record.finished(failed)
+    assert starts(4) == [False, False, False, True]  # every 4th
+    for _ in range(6):
+        record.finished(failed)
+    assert starts(16) == [False] * 15 + [True]  # at most every 16th
+    record.finished(sequence(kept=1, drafted=4))  # too short to tell
+    record.finished(DraftControl())  # never drafted
+    record.finished(DraftControl(always=True, drafted=16, off=True))  # drafted whatever it cost
+    assert starts(16) == [False] * 15 + [True]
+    paid = sequence(kept=4)
+    assert not paid.off and paid.drafted == 16
+    record.finished(paid)
+    assert starts(3) == [True] * 3
 
 
 def _reply(session: object, prompt: str, **params: object) -> tuple[str, object]:

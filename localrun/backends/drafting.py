@@ -147,6 +147,41 @@ class DraftControl:
             self.recent_drafted = self.recent_accepted = 0
 
 
+class DraftRecord:
+    """What drafting gave the engine's recent sequences, for one drafter: a new sequence does not
+    pay a trial draft where the sequences before it found that drafting does not pay.
+
+    A draft model's trial is not free (its first drafts, and its KV cache catching up with the
+    prompt) and its acceptance says more about the two models and the machine than about the
+    prompt, so after `failures` sequences in a row turned their drafting off (DraftControl.off),
+    only every 2**failures-th new sequence (at most every BACKOFF_MAX-th) drafts, to measure again:
+    costs change with the load and replies differ. A sequence whose drafting lasted a window
+    without turning off starts the count over; one too short to tell changes nothing."""
+
+    BACKOFF_MAX = 16
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.skipped = 0  # new sequences that did not draft since the last one that did
+
+    def starts(self) -> bool:
+        """Whether a new sequence drafts (the record counts the answer)."""
+        if self.failures and self.skipped + 1 < min(2 ** self.failures, self.BACKOFF_MAX):
+            self.skipped += 1
+            return False
+        self.skipped = 0
+        return True
+
+    def finished(self, control: DraftControl) -> None:
+        """A sequence that drafted has finished (or stopped drafting): what its drafting showed."""
+        if control.always or control.drafted == 0:
+            return
+        if control.off:
+            self.failures = min(self.failures + 1, 8)
+        elif control.drafted >= control.window:
+            self.failures = 0
+
+
 class StepCost:
     """What a step of the model costs, fitted as seconds = a + b x positions over its recent steps
     without prompt tokens (a: reading the weights once; b: each position in the batch), so that

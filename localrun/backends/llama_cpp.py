@@ -21,6 +21,7 @@ from localrun.backends.base import Abilities, Sampled
 from localrun.backends.drafting import (
     EXPLORE_EVERY,
     DraftControl,
+    DraftRecord,
     PromptLookup,
     StepCost,
     worth_drafting,
@@ -178,6 +179,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         self.draft_refused: str | None = None  # why the draft model asked for does not draft (draft_optional)
         self._cost = StepCost()  # what this model's steps cost, to weigh drafts against
         self._drafting_steps = 0
+        self._model_record = DraftRecord()  # whether the draft model's drafts paid in recent sequences
         if options.draft:
             self._load_drafter(options)
         self.vision: Vision | None = None  # the projector that reads images, for a vision model
@@ -256,6 +258,9 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
             q.control = DraftControl(draft_max=params.draft_max, draft_min=params.draft_min,
                                      min_rate=0.6 if by_model else 0.3, start=2 if by_model else 4,
                                      always=params.draft_always)
+            # a lookup draft costs a few batch positions; a draft model's trial costs its decodes
+            if by_model and not params.draft_always and not self._model_record.starts():
+                q.control.off = True
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
 
@@ -421,6 +426,8 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         if q is None:
             return 0
         self.ll.llama_sampler_free(q.sampler)
+        if q.control is not None and q.history is not None:
+            self._model_record.finished(q.control)
         self.seqs[slot] = None
         self.ll.llama_memory_seq_rm(self.mem, slot, q.pos, -1)
         return q.pos
