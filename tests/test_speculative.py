@@ -95,6 +95,27 @@ def test_sequences_after_drafts_that_did_not_pay_skip_the_trial_with_a_growing_b
     assert starts(3) == [True] * 3
 
 
+def test_a_steps_cost_per_position_is_remembered_when_recent_steps_are_all_one_size() -> None:
+    """Drafted steps (several positions) are a few among many plain ones: once the plain ones fill
+    the window, the slope measured from the drafted ones still prices a drafted token."""
+    from localrun.backends.drafting import StepCost
+
+    cost = StepCost()
+    assert cost.fit() is None and cost.min_rate(1, 0.0, 0.3) == 0.3  # nothing measured: the default
+    for positions in (1, 3, 1, 3, 1, 2):
+        cost.record(positions, 0.010 + 0.005 * positions)  # a = 10 ms, b = 5 ms
+    fitted = cost.fit()
+    assert fitted is not None and fitted == pytest.approx((0.010, 0.005))
+    for _ in range(300):  # the drafted steps' weight decays to nothing
+        cost.record(1, 0.015)
+    assert cost.fit() == pytest.approx((0.010, 0.005))
+    assert cost.min_rate(1, 0.010, 0.6) == pytest.approx(1.0)  # a drafted token costs what a kept one saves
+    never = StepCost()
+    for _ in range(10):
+        never.record(1, 0.015)
+    assert never.fit() == pytest.approx((0.0135, 0.0015))  # never measured: a tenth of a step per position
+
+
 def _reply(session: object, prompt: str, **params: object) -> tuple[str, object]:
     chunks = list(api.stream(session, api.build_messages(prompt), GenerationParams(**params)))  # type: ignore[arg-type]
     return "".join(c.text for c in chunks), chunks[-1]

@@ -192,21 +192,27 @@ class StepCost:
 
     def __init__(self) -> None:
         self.w = self.sp = self.st = self.spp = self.spt = 0.0
+        self.slope: float | None = None  # b as last measured: kept while the recent steps are all one size
 
     def record(self, positions: int, seconds: float) -> None:
         k = self.DECAY
         self.w, self.sp, self.st = self.w * k + 1, self.sp * k + positions, self.st * k + seconds
         self.spp, self.spt = self.spp * k + positions * positions, self.spt * k + positions * seconds
+        if self.w >= 3:
+            mp, mt = self.sp / self.w, self.st / self.w
+            var = self.spp / self.w - mp * mp
+            if var > 0.25:  # steps of different sizes: the slope is measured
+                self.slope = min(max((self.spt / self.w - mp * mt) / var, 0.0), mt / max(mp, 1))
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b), or None before there are steps to fit."""
         if self.w < 3:
             return None
         mp, mt = self.sp / self.w, self.st / self.w
-        var = self.spp / self.w - mp * mp
-        # without steps of different sizes the slope is unknown: take a position as a tenth of a step
-        b = (self.spt / self.w - mp * mt) / var if var > 0.25 else mt / max(mp, 1) / 10
-        b = min(max(b, 0.0), mt / max(mp, 1))
+        # Recent steps of one size do not tell the slope: it is the one measured last (drafted steps
+        # long gone from the window still cost what they cost), or, never measured, a tenth of a
+        # step per position.
+        b = min(self.slope if self.slope is not None else mt / max(mp, 1) / 10, mt / max(mp, 1))
         return max(mt - b * mp, 0.0), b
 
     def min_rate(self, sequences: int, draft_seconds: float, default: float) -> float:
