@@ -98,6 +98,23 @@ def test_the_next_turn_finds_its_image_in_the_kv_cache(vl: VisionModel, pictures
         fresh.close()
 
 
+def test_an_image_no_longer_in_the_kv_cache_is_decoded_from_its_kept_embeddings(vl: VisionModel,
+                                                                                pictures: list[Path]) -> None:
+    """The engine keeps encoded images' embeddings by digest: the first image asked about again
+    after another image took the only slot is decoded again without being encoded, and the reply
+    is the same."""
+    session = api.load(info(vl), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(vl.mmproj)))
+    try:
+        first, end1 = ask(session, [user(PROMPT, pictures[0])])
+        other, end2 = ask(session, [user(PROMPT, pictures[1])])
+        assert (end1.images_encoded, end2.images_encoded) == (1, 1) and other != first
+        again, end3 = ask(session, [user(PROMPT, pictures[0])])
+        assert end3.cached_tokens < end3.prompt_tokens - 10  # the slot held the other image: not a KV cache hit
+        assert again == first and end3.images_encoded == 0
+    finally:
+        session.close()
+
+
 def test_image_requests_decode_beside_text_requests(vl: VisionModel, pictures: list[Path]) -> None:
     """Three requests at once (two images, one text) in one engine loop: each reply is the one it
     gets alone."""

@@ -290,9 +290,9 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
     def _image(self, slot: int, tokens: list[int], at: int) -> int:
         """Evaluate the image whose placeholders start at `at` into the slot; the positions it took."""
         assert self.vision is not None, "image placeholders come only from a projector's tokenization"
-        n = self.vision.eval(self.ctx, tokens[at], at, slot, self.n_batch)
+        n, encoded = self.vision.eval(self.ctx, tokens[at], at, slot, self.n_batch)
         q = self.seqs[slot]
-        if q is not None:
+        if q is not None and encoded:
             q.images += 1
         return n
 

@@ -7,8 +7,12 @@ gives placeholder tokens, one per position the image takes in the sequence
 is a negative number made from the image's digest and its position within the image, so the
 engine loop's prefix matching works unchanged on prompts with images: a conversation's next turn
 finds its images in the KV cache and they are not encoded again, and two different images never
-match. The engine evaluates a placeholder run with `mtmd_helper_eval_chunk_single` (encode the
-image, decode its embeddings at the run's positions) for that sequence, inside its step.
+match. The engine evaluates a placeholder run for that sequence, inside its step: the image is
+encoded (`mtmd_encode_chunk`) and its embeddings decoded at the run's positions
+(`mtmd_helper_decode_image_chunk`). The embeddings are kept, by the image's digest, within a
+memory budget (least recently used go first), so the same image in another sequence (a new
+conversation, a regenerated reply that lands in another slot, a prompt cut from the KV cache) is
+decoded again without being encoded again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from localrun.errors import BadModelFileError, EngineError, UsageError
 
 _SPAN = 1 << 20  # positions per image in the placeholder numbering
 KEEP_IMAGES = 64  # tokenized images kept for the prefill of queued requests (least recently used go)
+EMBEDDINGS_BYTES = 256 << 20  # encoded images' embeddings kept for other sequences (least recently used go)
 
 
 def placeholder(key: int, i: int) -> int:
@@ -49,7 +54,7 @@ class Vision:
 
         from localrun.backends.llama_loader import _STATE, LOG, last_log_error, library
 
-        library()  # the bindings, without the package's high-level half (see llama_loader._bindings)
+        ll = library()  # the bindings, without the package's high-level half (see llama_loader._bindings)
         mt = importlib.import_module("llama_cpp.mtmd_cpp")
 
         if "mtmd_log" not in _STATE:  # the projector's log lines go where llama.cpp's go (not stderr)
@@ -77,6 +82,9 @@ class Vision:
             self.ctx = None
             raise BadModelFileError(f"'{path}' is not a vision projector (it reads no images)")
         self.marker = mt.mtmd_default_marker().decode()
+        self.n_embd = ll.llama_model_n_embd_inp(model)  # what an image embedding's row holds, as the helper reads it
+        self.embeddings: OrderedDict[int, Any] = OrderedDict()  # image key -> its encoded embeddings (c_float array)
+        self.embeddings_bytes = 0
         self.chunks: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # image key -> (owned chunk, n_pos)
         self.encoded = 0  # images encoded since load
         self.sizes: dict[int, tuple[int, int]] = {}  # image key -> (embeddings, positions), every image seen
@@ -146,9 +154,9 @@ class Vision:
                     n += n_tokens - n_pos
         return n
 
-    def eval(self, lctx: Any, token: int, n_past: int, seq: int, n_batch: int) -> int:
-        """Encode the image whose run starts with this placeholder and decode it into the sequence
-        at n_past; the positions it took."""
+    def eval(self, lctx: Any, token: int, n_past: int, seq: int, n_batch: int) -> tuple[int, bool]:
+        """Decode the image whose run starts with this placeholder into the sequence at n_past,
+        encoding it unless its embeddings are kept; (the positions it took, whether it was encoded)."""
         key, i = image_key(token)
         assert i == 0, "an image is evaluated from its start"
         found = self.chunks.get(key)
@@ -156,22 +164,48 @@ class Vision:
             raise EngineError("an image of the request was dropped before it was evaluated "
                               f"(more than {KEEP_IMAGES} images waited)", "send fewer images at once")
         chunk, n_pos = found
-        new = ctypes.c_int32(0)
         from localrun.backends.llama_loader import last_log_error
 
-        rc = self.mt.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk, n_past, seq, n_batch, False,
-                                                   ctypes.byref(new))
+        mt = self.mt
+        embd = self.embeddings.get(key)
+        encoded = embd is None
+        if embd is None:
+            rc = mt.mtmd_encode_chunk(self.ctx, chunk)
+            if rc != 0:
+                reason = last_log_error()
+                raise EngineError(f"encoding an image failed (code {rc}){': ' + reason if reason else ''}")
+            size = mt.mtmd_input_chunk_get_n_tokens(chunk) * self.n_embd
+            embd = (ctypes.c_float * size)()
+            ctypes.memmove(embd, mt.mtmd_get_output_embd(self.ctx), ctypes.sizeof(embd))
+            self.encoded += 1
+            self._keep(key, embd)
+        else:
+            self.embeddings.move_to_end(key)
+        new = ctypes.c_int32(0)
+        rc = mt.mtmd_helper_decode_image_chunk(self.ctx, lctx, chunk, embd, n_past, seq, n_batch, ctypes.byref(new),
+                                               mt.mtmd_helper_post_decode_callback(), None)
         if rc != 0:
             reason = last_log_error()
             raise EngineError(f"evaluating an image failed (code {rc}){': ' + reason if reason else ''}",
                               "the context may be full; try a larger --ctx")
-        self.encoded += 1
-        return n_pos
+        return n_pos, encoded
+
+    def _keep(self, key: int, embd: Any) -> None:
+        """Keep an image's embeddings, letting the least recently used go beyond EMBEDDINGS_BYTES."""
+        size = ctypes.sizeof(embd)
+        if size > EMBEDDINGS_BYTES:
+            return
+        self.embeddings[key] = embd
+        self.embeddings_bytes += size
+        while self.embeddings_bytes > EMBEDDINGS_BYTES:
+            self.embeddings_bytes -= ctypes.sizeof(self.embeddings.popitem(last=False)[1])
 
     def close(self) -> None:
         for chunk, _ in self.chunks.values():
             self.mt.mtmd_input_chunk_free(chunk)
         self.chunks.clear()
+        self.embeddings.clear()
+        self.embeddings_bytes = 0
         if self.ctx:
             self.mt.mtmd_free(self.ctx)
             self.ctx = None
