@@ -226,22 +226,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_an_engine_started_early_is_the_one_the_load_takes_and_one_left_unused_is_closed(starter: Path) -> None:
+def test_an_engine_started_early_is_the_one_the_load_takes_and_one_left_unused_is_closed(
+        starter: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from localrun.backends import session as sessions
+    from localrun.backends.isolation import Child
 
+    warmed: list[str] = []  # the engines the early processes were told to warm
+    send = Child.send
+
+    def spy(self: Child, message: dict) -> None:
+        if message.get("op") == "warm":
+            warmed.append(message["backend"])
+        send(self, message)
+
+    monkeypatch.setattr(Child, "send", spy)
     with api.engine_started_early(str(starter)):
-        ((early, warmed),) = sessions._EARLY
+        (early,) = sessions._EARLY
         s = api.load(str(starter), LoadOptions(n_ctx=512))
         assert not sessions._EARLY
     try:
         assert s.child is early  # the load took the started process, warmed for llama.cpp
-        assert warmed == "llama.cpp"
+        assert warmed == ["llama.cpp"]
         assert collect(s, Request.raw("The capital of France is"), GenerationParams(temperature=0, max_tokens=4))[1]
     finally:
         s.close()
     with api.engine_started_early("no-such-model", engine=None):
-        ((unused, warmed),) = sessions._EARLY
-        assert warmed != "llama.cpp"  # nothing to guess from: no engine warmed
+        (unused,) = sessions._EARLY
+    assert warmed == ["llama.cpp"]  # nothing to guess from: no engine warmed
     assert not sessions._EARLY and not _alive(unused.proc.pid)
 
 

@@ -22,13 +22,13 @@ from localrun.errors import EngineCrashedError, EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
 from localrun.store import ModelInfo
 
-_EARLY: list[tuple[Child, str | None]] = []  # engine processes started early, and the engine each warms
+_EARLY: list[Child] = []  # engine processes started early, not yet taken
 _EARLY_LOCK = threading.Lock()
 
 
 def _take_early() -> Child | None:
     with _EARLY_LOCK:
-        child = _EARLY.pop()[0] if _EARLY else None
+        child = _EARLY.pop() if _EARLY else None
     return child if child is not None and child.alive else None
 
 
@@ -45,16 +45,15 @@ def early_worker(guess: Callable[[], str | None]) -> Iterator[None]:
     backend = guess()
     if backend:
         child.send({"op": "warm", "backend": backend})
-    entry = (child, backend)
     with _EARLY_LOCK:
-        _EARLY.append(entry)
+        _EARLY.append(child)
     try:
         yield
     finally:
         with _EARLY_LOCK:
-            unused = entry in _EARLY
+            unused = child in _EARLY
             if unused:
-                _EARLY.remove(entry)
+                _EARLY.remove(child)
         if unused:
             child.close()
 
