@@ -81,7 +81,7 @@ class Checkpoint:
 
     def projector(self) -> Checkpoint | None:
         """The same weights as the vision projector's checkpoint (a vision-language family), else None."""
-        cls = self.arch.projector
+        cls = self.arch.projector_class()
         if cls is None:
             return None
         arch = cls(self.config, processor_config(self.tokenizer_dir), self.tokenizer_dir)

@@ -44,6 +44,7 @@ class Plan:
     gguf_bytes: int  # size of the directly written file
     final_bytes: int  # estimated size of the result
     imatrix: Path | None = None
+    notice: str | None = None  # the architecture's word on how llama.cpp runs the file
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +78,8 @@ class Plan:
             f"{len(self.tensors)} tensors, output size {_human(self.final_bytes)}"
             + (" (estimated)" if self.quantized else "")
         )
+        if self.notice:
+            lines.append(f"note: {self.notice}")
         return "\n".join(lines)
 
 
@@ -112,6 +115,7 @@ def specs(ckpt: Checkpoint) -> list[TensorSpec]:
                 _check_pieces(ckpt, spec)
             seen.add(spec.name)
             out.append(spec)
+    out = ckpt.arch.ordered(out)
     if not ckpt.arch.has_vocab:
         return out + ckpt.arch.extra_tensors()  # a projector: no embeddings, no output matrix
     embeddings = next((s for s in out if s.name == _TOKEN_EMBD), None)
@@ -193,5 +197,6 @@ def build_plan(
         gguf_bytes=gguf_bytes,
         final_bytes=final,
         imatrix=Path(imatrix) if imatrix is not None else None,
+        notice=ckpt.arch.notice,
     )
     return plan, all_specs

@@ -92,6 +92,8 @@ class Arch:
     projector: ClassVar[type[Projector] | None] = None
     # The file carries a vocabulary and token embeddings (a projector has neither).
     has_vocab: ClassVar[bool] = True
+    # What a user of the converted file should know about how llama.cpp runs it (said by convert).
+    notice: ClassVar[str | None] = None
 
     def __init__(self, config: dict[str, Any]) -> None:
         if isinstance(config.get("text_config"), dict):
@@ -194,6 +196,10 @@ class Arch:
                 "supported: default, linear, yarn, llama3, longrope",
             )
 
+    def projector_class(self) -> type[Projector] | None:
+        """The projector this checkpoint's config calls for (a family with several towers picks)."""
+        return self.projector
+
     # --- tensors ----------------------------------------------------------------------------
     def skip(self, name: str) -> bool:
         return name.endswith(SKIP_SUFFIXES) or name.startswith(self.skip_prefixes)
@@ -221,6 +227,10 @@ class Arch:
 
     def transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
         return None
+
+    def ordered(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        """The file's tensors in the order written (default: the source's)."""
+        return specs
 
     def tensor_type(
         self, name: str, shape: tuple[int, ...], outtype: gguf.GGMLQuantizationType

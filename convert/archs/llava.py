@@ -2,8 +2,7 @@
 Llama or Mistral text model and a Pixtral ViT whose patches a two-layer projection (after a patch
 merger in Mistral 3) maps into the text embeddings (the projector file, projector type pixtral).
 
-LLaVA with a CLIP tower (llava-hf's LLaVA 1.5) is refused: llama.cpp's converter writes no
-projector for it."""
+LLaVA with a CLIP tower (llava-hf's LLaVA 1.5) has its projector in llava_clip.py."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from convert.archs import register, supported_vision
+from convert.archs import llava_clip, register, supported_vision
 from convert.archs.base import Piece, TensorSpec, permute_rows
 from convert.archs.llama import Llama
 from convert.archs.projector import Projector
@@ -113,21 +112,27 @@ class Llava(Llama):
     default_strategy = "default"
 
     def __init__(self, config: dict[str, Any]) -> None:
+        self.tower = "pixtral"
         if isinstance(config.get("vision_config"), dict):  # a GGUF base's config has none
+            self.tower = config["vision_config"].get("model_type", self.default_tower)
             self.check_tower(config)
         super().__init__(config)
 
+    def projector_class(self) -> type[Projector] | None:
+        return llava_clip.ClipProjector if self.tower == "clip_vision_model" else self.projector
+
     def check_tower(self, config: dict[str, Any]) -> None:
-        """Refuse a vision tower or feature choice that llama.cpp's pixtral projector lacks."""
+        """Refuse a vision tower or feature choice that llama.cpp's projectors lack."""
         arch = (config.get("architectures") or ["LlavaForConditionalGeneration"])[0]
-        tower = config["vision_config"].get("model_type", self.default_tower)
-        if tower != "pixtral":
+        if self.tower == "clip_vision_model" and arch == "LlavaForConditionalGeneration":
+            llava_clip.check(config, arch)
+            return
+        if self.tower != "pixtral":
             supported = ", ".join(supported_vision())
             raise ConvertError(
-                f"{arch} with a {tower!r} vision tower (classic LLaVA, such as LLaVA 1.5) is not "
-                "supported: llama.cpp's converter writes no projector for it",
-                "convert LLaVA with a Pixtral vision tower (Pixtral 12B) or another of the "
-                f"vision-language architectures the converter supports: {supported}",
+                f"{arch} with a {self.tower!r} vision tower is not supported",
+                "convert LLaVA with a CLIP tower (LLaVA 1.5) or a Pixtral one (Pixtral 12B), or "
+                f"another of the vision-language architectures the converter supports: {supported}",
             )
         layer = config.get("vision_feature_layer", self.default_feature_layer)
         strategy = config.get("vision_feature_select_strategy", self.default_strategy)

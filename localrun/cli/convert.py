@@ -118,8 +118,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     f32/f16/bf16/q8_0 are written directly; other types go through llama.cpp's quantizer from a
     temporary F16/BF16 file. The result is registered in the model store and its path printed.
 
-    A vision-language checkpoint (Qwen2-VL, Qwen2.5-VL, Gemma 3, SmolVLM / Idefics3, LLaVA with a
-    Pixtral vision tower, Mistral Small 3.1/3.2) becomes two files: the text model and its projector beside it, mmproj-<model file name> with the type in that name made the projector's
+    A vision-language checkpoint (Qwen2-VL, Qwen2.5-VL, Gemma 3, SmolVLM / Idefics3, LLaVA 1.5 (a
+    CLIP tower), LLaVA with a Pixtral vision tower, Mistral Small 3.1/3.2) becomes two files: the text model and its projector beside it, mmproj-<model file name> with the type in that name made the projector's
     (F16 when the model is quantized; see --mmproj-outtype). The model is registered with its
     projector; both paths are printed, the model's first.
 
@@ -164,6 +164,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if projector is not None:
         print(f"wrote the projector {projector.path} ({projector.path.stat().st_size / 1e9:.2f} GB, "
               f"{projector.plan.outtype})", file=sys.stderr)
+    for notice in dict.fromkeys(r.plan.notice for r in (res, projector) if r is not None and r.plan.notice):
+        print(f"note: {notice}", file=sys.stderr)
     if names:
         _register(res.path, names[0], replace=args.force and args.name is not None,
                   converted_from=None if lora else args.src, mmproj=projector.path if projector else None)

@@ -3,7 +3,8 @@ against llama.cpp's own convert_hf_to_gguf.py (text) and its --mmproj (projector
 checkpoint: the same tensors (names, order, shapes, types, bytes) and metadata, for Qwen2-VL,
 Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, LLaVA with a Pixtral tower and Mistral 3; and the same
 greedy reply to an image when llama.cpp runs Qwen2-VL's files, and as transformers gives it when
-llama.cpp runs ours of LLaVA-Pixtral and Mistral 3.
+llama.cpp runs ours of LLaVA-Pixtral and Mistral 3. LLaVA 1.5 (a CLIP tower), whose projector
+llama.cpp's converter does not write, against llama.cpp's own LLaVA scripts.
 
 Metadata that differs by design: general.name (llama.cpp's converter makes a display name of the
 folder name, "Qwen2 VL Tiny"; ours is the folder name, as for every text model), and the
@@ -38,6 +39,7 @@ from convert_helpers import (
 )
 
 import convert
+from convert.archs import llava_clip
 from localrun import api
 from localrun.generation import GenerationParams, LoadOptions, Request
 from tests.conftest import run_cli
@@ -518,6 +520,274 @@ def test_pixtral_files_reply_to_an_image_as_transformers_does(pixtral: PixtralFa
     assert replies[0] != replies[1]  # the reply depends on the image: the projector is in use
 
 
+# LLaVA 1.5 (llava-hf): a CLIP tower read at its last-but-one layer without [CLS], an MLP projector
+LLAVA_IMAGE = 32000  # the <image> token, after the Llama 2 vocabulary
+CLIP_SIDE, CLIP_PATCH = 64, 16  # 16 patches; the test image is this size: not resized
+CLIP_MEAN, CLIP_STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+
+
+@dataclass(frozen=True)
+class ClipLlava:
+    hf: Path
+    model: Any
+    ours: convert.Result  # F32
+
+
+def _clip_llava_checkpoint(folder: Path) -> Any:
+    """A tiny random llava-hf LLaVA 1.5: a 3-layer CLIP tower (quick GELU), read at layer -2 without
+    its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones."""
+    import torch
+    import transformers as tf
+
+    text = {"model_type": "llama", "vocab_size": LLAVA_IMAGE + 2, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+              "num_attention_heads": 2, "image_size": CLIP_SIDE, "patch_size": CLIP_PATCH, "projection_dim": 64}
+    config = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=LLAVA_IMAGE,
+                            vision_feature_layer=-2, vision_feature_select_strategy="default",
+                            projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration(config)
+    randomize(model, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
+            p.copy_(torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(3.0)
+    model.eval().save_pretrained(folder)
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "added_tokens_decoder": {
+            str(LLAVA_IMAGE): {"content": "<image>", "special": True},
+            str(LLAVA_IMAGE + 1): {"content": "<pad>", "special": True}}}))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+        "size": {"shortest_edge": CLIP_SIDE}, "crop_size": {"height": CLIP_SIDE, "width": CLIP_SIDE}}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def clip_llava(tmp_path_factory: pytest.TempPathFactory) -> ClipLlava:
+    folder = tmp_path_factory.mktemp("llava15")
+    model = _clip_llava_checkpoint(folder / "ckpt")
+    ours = convert.convert(folder / "ckpt", folder / "llava15-f32.gguf", outtype="f32")
+    return ClipLlava(folder / "ckpt", model, ours)
+
+
+def _llava_scripts(llava: ClipLlava, folder: Path) -> dict[str, Path]:
+    """llama.cpp's own route for LLaVA 1.5 (tools/mtmd/legacy-models): llava_surgery_v2.py takes the
+    projector out of the checkpoint, convert_image_encoder_to_gguf.py writes it with the CLIP model
+    (here: a CLIP model holding the checkpoint's tower, its config naming the checkpoint's feature
+    layer) as F16 and F32 files; convert_hf_to_gguf.py writes the text model."""
+    import transformers as tf
+
+    scripts = llama_cpp_converter_dir(converter_cache())
+    legacy = scripts / "tools" / "mtmd" / "legacy-models"
+    clip = folder / "clip"
+    tower = llava.model.model.vision_tower
+    text = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "vocab_size": 8, "max_position_embeddings": 16}
+    clip_model = tf.CLIPModel(tf.CLIPConfig(vision_config=tower.config.to_dict(), text_config=text, projection_dim=64))
+    missing = clip_model.vision_model.load_state_dict(tower.state_dict(), strict=False).missing_keys
+    assert missing == []
+    clip_model.save_pretrained(clip)
+    config = json.loads((clip / "config.json").read_text())
+    (clip / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2}))
+    (clip / "vocab.json").write_text(json.dumps({"<|startoftext|>": 0, "<|endoftext|>": 1}))
+    (clip / "merges.txt").write_text("#version: 0.2\n")
+    shutil.copy(llava.hf / "preprocessor_config.json", clip)
+    surgery = _linked(llava.hf, folder / "surgery")
+
+    def run(args: list[str]) -> None:
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    run([str(legacy / "llava_surgery_v2.py"), "-m", str(surgery)])
+    encoder = [str(legacy / "convert_image_encoder_to_gguf.py"), "-m", str(clip), "--llava-projector",
+               str(surgery / "llava.projector"), "--output-dir", str(folder / "out")]
+    jobs = [encoder, encoder + ["--use-f32"],
+            [str(scripts / "convert_hf_to_gguf.py"), str(llava.hf), "--outtype", "f32", "--outfile",
+             str(folder / "text-f32.gguf")]]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # each run is a process of its own
+        list(pool.map(run, jobs))
+    return {"f16": folder / "out" / "mmproj-model-f16.gguf", "f32": folder / "out" / "mmproj-model-f32.gguf",
+            "text": folder / "text-f32.gguf"}
+
+
+# Keys ours writes in every file's header and llama.cpp's LLaVA scripts do not.
+HEADER_ONLY = ("general.type", "general.size_label", "general.quantization_version")
+
+
+def _ffn_names_swapped(path: Path, folder: Path) -> Path:
+    """A copy of a projector file with each block's ffn_up and ffn_down names swapped (the names
+    llama.cpp's LLaVA scripts give fc1 and fc2)."""
+    reader = gguf_reader(path)
+    out = folder / f"swapped-{path.name}"
+    w = gguf.GGUFWriter(out, "clip")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value, kind = field.contents(), field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, kind, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, kind)
+    swap = {"ffn_up": "ffn_down", "ffn_down": "ffn_up"}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        name = ".".join(swap.get(p, p) for p in parts)
+        w.add_tensor(name, t.data, raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.slow  # llama.cpp's LLaVA scripts and its converter, each loading transformers
+def test_llava15_files_equal_llama_cpps_llava_scripts(clip_llava: ClipLlava, tmp_path: Path) -> None:
+    """The text model equals convert_hf_to_gguf.py's; the projector, F16, equals the LLaVA scripts'
+    bit for bit but for two things by design: fc1 and fc2 are named ffn_up and ffn_down (the scripts
+    swap the two names and llama.cpp swaps them back at load, with a warning), and the header keys
+    every file of ours has. F32: the same, but that the scripts write the patch embeddings and the
+    projection matrices as F16 whatever the type; ours keep the checkpoint's F32."""
+    refs = _llava_scripts(clip_llava, tmp_path)
+    ours = clip_llava.ours
+    assert ours.mmproj is not None
+    text = assert_same_file(ours.path, refs["text"])
+    assert text["general.architecture"] == "llama"
+    f16 = convert.convert(clip_llava.hf, tmp_path / "m.gguf", outtype="f16").mmproj
+    assert f16 is not None and f16.plan.notice and "issue 25814" in f16.plan.notice
+    for path, ref in ((f16.path, refs["f16"]), (ours.mmproj.path, refs["f32"])):
+        (got, got_t), (want, want_t) = _read(_ffn_names_swapped(path, tmp_path)), _read(ref)
+        assert {k: v for k, v in got.items() if k not in HEADER_ONLY} == want
+        assert got["general.type"] == "mmproj"
+        assert list(got_t) == list(want_t)
+        differ = {name for name in want_t if got_t[name] != want_t[name]}
+        if path == f16.path:
+            assert differ == set()
+        else:  # the three the scripts write as F16: ours are F32, and hold the same values
+            assert differ == {"mm.0.weight", "mm.2.weight", "v.patch_embd.weight"}
+            for name in differ:
+                assert (Q(got_t[name][0]), Q(want_t[name][0])) == (Q.F32, Q.F16)
+    projector = assert_same_file(ours.mmproj.path, ours.mmproj.path)  # every key and type, spelled out
+    assert projector["clip.projector_type"] == "mlp" and projector["clip.has_llava_projector"] is True
+    assert projector["clip.vision.block_count"] == 2 and projector["clip.vision.feature_layer"] == [2]
+    assert projector["clip.use_gelu"] is False  # CLIP's quick GELU
+    assert "tensor:v.blk.2.attn_q.weight" not in projector and "tensor:v.post_ln.weight" not in projector
+    assert projector["tensor:v.blk.0.ffn_up.weight"] == Q.F32
+
+
+def test_llava15_converts_through_the_cli_which_says_how_llama_cpp_runs_it(clip_llava: ClipLlava,
+                                                                           tmp_path: Path) -> None:
+    folder = _linked(clip_llava.hf, tmp_path / "llava-tiny")
+    res = run_cli("convert", str(folder), "--outtype", "f16")
+    assert res.returncode == 0, res.stderr
+    model, projector = folder / "llava-tiny-F16.gguf", folder / "mmproj-llava-tiny-F16.gguf"
+    assert res.stdout.splitlines() == [str(model), str(projector)]
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: {llava_clip.NOTICE}"]
+    assert "issue 25814" in notes[0]
+    info = api.get_model("llava-tiny:f16")
+    assert Path(info.path) == model and info.details["mmproj"] == str(projector.resolve())
+
+
+def _llama_cpp_image(text: Path, mmproj: Path, image: Path) -> Any:
+    """The image's embeddings as llama.cpp's image encoder computes them (one row per image token)."""
+    import numpy as np
+
+    from localrun.backends.llama_loader import library
+    from localrun.backends.llama_vision import Vision
+
+    ll = library()
+    model = ll.llama_model_load_from_file(str(text).encode(), ll.llama_model_default_params())
+    vision = Vision(str(mmproj), model, 2, False)
+    try:
+        vision.tokenize(vision.marker, [image.read_bytes()], True)
+        ((chunk, _),) = vision.chunks.values()
+        assert vision.mt.mtmd_encode_chunk(vision.ctx, chunk) == 0
+        n = vision.mt.mtmd_input_chunk_get_n_tokens(chunk)
+        out = np.ctypeslib.as_array(vision.mt.mtmd_get_output_embd(vision.ctx), shape=(n * vision.n_embd,))
+        return out.reshape(n, vision.n_embd).copy()
+    finally:
+        vision.close()
+        ll.llama_model_free(model)
+
+
+def _transformers_image(model: Any, image: Path, cls_last: bool) -> Any:
+    """transformers' image features of the tower and projector: its own forward pass, or with the
+    [CLS] token put after the patches as llama.cpp's graph does (patch i takes position i, [CLS]
+    the last one, and the rows read are 1..n: the [CLS] output in place of the first patch's)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    with Image.open(image) as file:
+        pixels = np.asarray(file.convert("RGB"), dtype=np.float32) / 255.0
+    pixels = (pixels - np.array(CLIP_MEAN, np.float32)) / np.array(CLIP_STD, np.float32)
+    x = torch.from_numpy(pixels.transpose(2, 0, 1)[None].copy())
+    with torch.no_grad():
+        if not cls_last:
+            return model.model.get_image_features(pixel_values=x).pooler_output[0].numpy()
+        tower = model.model.vision_tower
+        patches = tower.embeddings.patch_embedding(x).flatten(2).transpose(1, 2)
+        h = torch.cat([patches, tower.embeddings.class_embedding[None, None]], 1)
+        h = tower.pre_layrnorm(h + tower.embeddings.position_embedding.weight[None])
+        for layer in tower.encoder.layers[:2]:  # vision_feature_layer -2 of 3
+            h = layer(h, None)
+            h = h[0] if isinstance(h, tuple) else h
+        return model.model.multi_modal_projector(h[0, 1:]).numpy()
+
+
+def test_llava15_files_run_in_llama_cpp_as_its_graph_says_and_reply_as_transformers_on_those_features(
+        clip_llava: ClipLlava, tmp_path: Path) -> None:
+    """llama.cpp loads our pair. Its image embeddings equal transformers' tower and projector, F32,
+    within 1e-3, computed with the [CLS] token after the patches: llama.cpp's graph does so (its issue
+    25814), and they are not transformers' own forward pass (when a llama.cpp update fixes the graph,
+    this assert fails and the comparison becomes transformers' own). The greedy reply through the
+    engine equals transformers' text model given those image features, token for token."""
+    import numpy as np
+    import torch
+
+    ours = clip_llava.ours
+    assert ours.mmproj is not None
+    tok = _tokenizer("llama2-spm")
+    replies = []
+    for seed in (0, 1):
+        image = test_image(tmp_path / f"image{seed}.png", CLIP_SIDE, CLIP_SIDE, seed=seed)
+        got = _llama_cpp_image(ours.path, ours.mmproj.path, image)
+        graph = _transformers_image(clip_llava.model, image, cls_last=True)
+        assert np.abs(got - graph).max() < 1e-3 * np.abs(graph).max()
+        own = _transformers_image(clip_llava.model, image, cls_last=False)
+        assert np.abs(got - own).max() > 0.1 * np.abs(own).max()  # llama.cpp issue 25814, still there
+        session = api.load(api.get_model(str(ours.path)),
+                           LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
+        try:
+            request = dataclasses.replace(
+                Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
+                template=PIXTRAL_TEMPLATE)
+            chunks = list(api.stream(session, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
+        finally:
+            session.close()
+        reply = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+        embed = clip_llava.model.get_input_embeddings()
+        ids = tok.encode(PROMPT, add_special_tokens=False)
+        with torch.no_grad():
+            inputs = torch.cat([embed(torch.tensor([tok.bos_token_id])), torch.from_numpy(graph),
+                                embed(torch.tensor(ids))])[None]
+            out = clip_llava.model.generate(inputs_embeds=inputs, attention_mask=torch.ones(inputs.shape[:2]),
+                                            max_new_tokens=8, do_sample=False)
+        pieces = tok.convert_ids_to_tokens(out[0, -8:].tolist())
+        want = [bytes([int(p[3:5], 16)]) if p.startswith("<0x") else p.replace("\u2581", " ").encode()
+                for p in pieces]
+        assert reply == want
+        replies.append(reply)
+    assert replies[0] != replies[1]  # the reply depends on the image
+
+
 SUPPORTED_VISION = (
     "Gemma3ForConditionalGeneration, Idefics3ForConditionalGeneration, LlavaForConditionalGeneration, "
     "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, "
@@ -544,19 +814,17 @@ def test_a_vision_family_not_supported_yet_is_named_with_the_supported_ones(tmp_
     assert list(folder.iterdir()) == [folder / "config.json"]
 
 
-def test_classic_llava_with_a_clip_tower_is_refused_by_name_with_the_reason(tmp_path: Path) -> None:
-    """llava-hf's LLaVA 1.5: llama.cpp's converter converts its text model, but with --mmproj stops at
-    the CLIP tower ("Unsupported model type"); only the Pixtral tower converts under this class name."""
+def test_llava_with_another_tower_is_refused_by_name_with_the_supported_ones(tmp_path: Path) -> None:
+    """LLaVA-Interleave's SigLIP tower: llama.cpp has no projector reading it under this class name."""
     folder = _config_only(tmp_path / "llava", {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-        "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}})
+        "text_config": {"model_type": "qwen2"}, "vision_config": {"model_type": "siglip_vision_model"}})
     res = run_cli("convert", str(folder))
     assert res.returncode == 1
     assert res.stderr.strip().splitlines() == [
-        "localrun: LlavaForConditionalGeneration with a 'clip_vision_model' vision tower (classic LLaVA, such as "
-        "LLaVA 1.5) is not supported: llama.cpp's converter writes no projector for it; convert LLaVA with a "
-        "Pixtral vision tower (Pixtral 12B) or another of the vision-language architectures the converter "
-        f"supports: {SUPPORTED_VISION}"
+        "localrun: LlavaForConditionalGeneration with a 'siglip_vision_model' vision tower is not supported; "
+        "convert LLaVA with a CLIP tower (LLaVA 1.5) or a Pixtral one (Pixtral 12B), or another of the "
+        f"vision-language architectures the converter supports: {SUPPORTED_VISION}"
     ]
     assert list(folder.iterdir()) == [folder / "config.json"]
 
@@ -569,8 +837,22 @@ def test_classic_llava_with_a_clip_tower_is_refused_by_name_with_the_reason(tmp_
     ({"architectures": ["Mistral3ForConditionalGeneration"], "vision_config": {"model_type": "pixtral"},
       "text_config": {"model_type": "ministral3"}},
      "Mistral3ForConditionalGeneration with a 'ministral3' text model is not supported yet"),
-], ids=["feature-layer", "ministral3"])
-def test_pixtral_variants_llama_cpp_would_run_otherwise_fail_before_reading_weights(
+    ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model"},
+      "vision_feature_select_strategy": "full"},
+     "LlavaForConditionalGeneration with a CLIP tower reads its patches with strategy 'full'; llama.cpp's mlp "
+     "projector leaves out the [CLS] token ('default')"),
+    ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model"},
+      "projector_hidden_act": "silu"},
+     "LlavaForConditionalGeneration's projection (silu, bias True) is not llama.cpp's mlp projector (GELU "
+     "between two linear layers with biases)"),
+    ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model"},
+      "vision_feature_layer": [-2, -5]},
+     "LLaVA with a CLIP tower reading several layers ([-2, -5]) is not supported"),
+    ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model",
+      "num_hidden_layers": 4}, "vision_feature_layer": -6},
+     "vision_feature_layer -6 is outside the tower's 4 layers"),
+], ids=["feature-layer", "ministral3", "clip-full", "clip-silu", "clip-layers", "clip-range"])
+def test_llava_variants_llama_cpp_would_run_otherwise_fail_before_reading_weights(
         config: dict[str, Any], message: str, tmp_path: Path) -> None:
     folder = _config_only(tmp_path / "ckpt", config)
     with pytest.raises(convert.ConvertError) as e:
