@@ -535,7 +535,9 @@ class ClipLlava:
 
 def _clip_llava_checkpoint(folder: Path) -> Any:
     """A tiny random llava-hf LLaVA 1.5: a 3-layer CLIP tower (quick GELU), read at layer -2 without
-    its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones."""
+    its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones.
+    Saved in the published layout (vision_tower.vision_model.*); transformers 5's own, beside it in
+    "saved", has no vision_model."""
     import torch
     import transformers as tf
 
@@ -557,7 +559,8 @@ def _clip_llava_checkpoint(folder: Path) -> Any:
         for name, p in model.named_parameters():
             if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.mul_(3.0)
-    model.eval().save_pretrained(folder)
+    model.eval().save_pretrained(folder.with_name("saved"))
+    _published_layout(folder.with_name("saved"), folder)  # llava-hf's files name the tower vision_model
     shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "added_tokens_decoder": {
@@ -661,6 +664,10 @@ def test_llava15_files_equal_llama_cpps_llava_scripts(clip_llava: ClipLlava, tmp
     assert text["general.architecture"] == "llama"
     f16 = convert.convert(clip_llava.hf, tmp_path / "m.gguf", outtype="f16").mmproj
     assert f16 is not None and f16.plan.notice and "issue 25814" in f16.plan.notice
+    layout = _linked(clip_llava.hf, tmp_path / "saved", skip=("model.safetensors",))
+    (layout / "model.safetensors").symlink_to(clip_llava.hf.with_name("saved") / "model.safetensors")
+    saved = convert.convert(layout, tmp_path / "s.gguf", outtype="f16").mmproj
+    assert saved is not None and gguf_tensors(saved.path) == gguf_tensors(f16.path)  # transformers 5's layout
     for path, ref in ((f16.path, refs["f16"]), (ours.mmproj.path, refs["f32"])):
         (got, got_t), (want, want_t) = _read(_ffn_names_swapped(path, tmp_path)), _read(ref)
         assert {k: v for k, v in got.items() if k not in HEADER_ONLY} == want
