@@ -163,10 +163,40 @@ class Mistral3(Llava):
     default_strategy = "full"  # Mistral 3 has no such choice: every patch goes to the merger
 
     def __init__(self, config: dict[str, Any]) -> None:
-        text = (config.get("text_config") or {}).get("model_type", "mistral")
-        if text not in ("mistral", "llama"):
+        self.text_type = (config.get("text_config") or {}).get("model_type", "mistral")
+        if self.text_type not in ("mistral", "llama", "ministral3"):
             raise ConvertError(
-                f"Mistral3ForConditionalGeneration with a {text!r} text model is not supported yet",
-                "supported: Mistral Small 3.1 and 3.2 (a 'mistral' text model)",
+                f"Mistral3ForConditionalGeneration with a {self.text_type!r} text model is not supported yet",
+                "supported: Mistral Small 3.1 and 3.2 (a 'mistral' text model) and Ministral 3 ('ministral3')",
             )
         super().__init__(config)
+
+    def write_hparams(self, w: gguf.GGUFWriter) -> None:
+        super().write_hparams(w)
+        if self.text_type == "ministral3":
+            write_ministral3_rope(w, self.rope())
+
+
+def write_ministral3_rope(w: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
+    """Ministral 3's YaRN keys beyond the usual ones: the log multiplier of its attention scale
+    (mscale_all_dim) and Llama 4's position-dependent query scaling (beta), as llama.cpp reads them."""
+    if (rope.get("rope_type") or rope.get("type")) != "yarn":
+        raise ConvertError("a Ministral 3 text model must use YaRN rope scaling",
+                           "the checkpoint's rope_parameters are not Ministral 3's")
+    for key in ("mscale_all_dim", "llama_4_scaling_beta"):
+        if rope.get(key) is None:
+            raise ConvertError(f"the Ministral 3 rope_parameters lack {key!r}",
+                               "the checkpoint's config is incomplete")
+    w.add_rope_scaling_yarn_log_mul(float(rope["mscale_all_dim"]))
+    w.add_attn_temperature_scale(float(rope["llama_4_scaling_beta"]))
+
+
+@register("Ministral3ForCausalLM")
+class Ministral3(Llama):
+    """Ministral 3's text model alone (llama.cpp's mistral3 architecture)."""
+
+    gguf_arch = gguf.MODEL_ARCH.MISTRAL3
+
+    def write_hparams(self, w: gguf.GGUFWriter) -> None:
+        super().write_hparams(w)
+        write_ministral3_rope(w, self.rope())

@@ -119,7 +119,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     temporary F16/BF16 file. The result is registered in the model store and its path printed.
 
     A vision-language checkpoint (Qwen2-VL, Qwen2.5-VL, Gemma 3, SmolVLM / Idefics3, LLaVA 1.5 (a
-    CLIP tower), LLaVA with a Pixtral vision tower, Mistral Small 3.1/3.2) becomes two files: the text model and its projector beside it, mmproj-<model file name> with the type in that name made the projector's
+    CLIP tower), LLaVA with a Pixtral vision tower, Mistral Small 3.1/3.2, Ministral 3) becomes two files: the text model and its projector beside it, mmproj-<model file name> with the type in that name made the projector's
     (F16 when the model is quantized; see --mmproj-outtype). The model is registered with its
     projector; both paths are printed, the model's first.
 

@@ -3,7 +3,7 @@ against llama.cpp's own convert_hf_to_gguf.py (text) and its --mmproj (projector
 checkpoint: the same tensors (names, order, shapes, types, bytes) and metadata, for Qwen2-VL,
 Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, LLaVA with a Pixtral tower and Mistral 3; and the same
 greedy reply to an image when llama.cpp runs Qwen2-VL's files, and as transformers gives it when
-llama.cpp runs ours of LLaVA-Pixtral and Mistral 3. LLaVA 1.5 (a CLIP tower), whose projector
+llama.cpp runs ours of LLaVA-Pixtral, Mistral 3 and Ministral 3. LLaVA 1.5 (a CLIP tower), whose projector
 llama.cpp's converter does not write, against llama.cpp's own LLaVA scripts.
 
 Metadata that differs by design: general.name (llama.cpp's converter makes a display name of the
@@ -366,7 +366,7 @@ WIDTH, HEIGHT = 128, 64  # whole patches (16) and merged patches (32), above mtm
 class PixtralFamily:
     """One tiny checkpoint, transformers' model and processor of it, and our F32 conversion."""
 
-    family: str  # "llava" or "mistral3"
+    family: str  # "llava", "mistral3" or "ministral3"
     hf: Path
     model: Any
     processor: Any
@@ -385,11 +385,16 @@ def _pixtral_checkpoint(folder: Path, family: str) -> tuple[Any, Any]:
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     text = {
-        "model_type": "mistral", "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128,
+        "model_type": "ministral3" if family == "ministral3" else "mistral", "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
     }
+    if family == "ministral3":  # Ministral 3's YaRN (its published settings) and Llama 4's query scaling
+        text["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+        text["max_position_embeddings"] = 262144
     # 3 blocks: gguf's tensor map knows the projector's linear_2 (mm.2) only for more than 2
     vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
               "num_attention_heads": 2, "head_dim": 16, "image_size": WIDTH, "patch_size": 16, "hidden_act": "silu"}
@@ -424,7 +429,7 @@ def _pixtral_checkpoint(folder: Path, family: str) -> tuple[Any, Any]:
     return model, processor
 
 
-@pytest.fixture(scope="module", params=["llava", "mistral3"])
+@pytest.fixture(scope="module", params=["llava", "mistral3", "ministral3"])
 def pixtral(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PixtralFamily:
     family = request.param
     folder = tmp_path_factory.mktemp(family)
@@ -463,6 +468,9 @@ def test_pixtral_files_equal_llama_cpps_but_for_the_img_break_row(pixtral: Pixtr
         assert projector["tensor:mm.1.bias"] == Q.F32
     else:
         assert text["general.architecture"] == "mistral3" and projector["clip.vision.spatial_merge_size"] == 2
+        if pixtral.family == "ministral3":
+            assert text["mistral3.rope.scaling.type"] == "yarn" and text["mistral3.rope.scaling.factor"] == 16
+            assert text["mistral3.attention.temperature_scale"] == pytest.approx(0.1)
         assert projector["tensor:mm.patch_merger.weight"] == Q.F32
     res = convert.convert(hf, tmp_path / "m.gguf", outtype="f16", mmproj_outtype=mmproj_type)
     assert res.mmproj is not None
@@ -475,6 +483,28 @@ def test_pixtral_files_equal_llama_cpps_but_for_the_img_break_row(pixtral: Pixtr
         assert types["tensor:v.patch_embd.weight"] == types["tensor:mm.patch_merger.weight"] == Q.F16
 
 
+@pytest.mark.parametrize("pixtral", ["ministral3"], indirect=True)
+def test_ministral3_text_model_alone_equals_llama_cpps(pixtral: PixtralFamily, tmp_path: Path) -> None:
+    """Ministral3ForCausalLM, the text half of Ministral 3 saved alone: llama.cpp's mistral3
+    architecture with the YaRN log multiplier and Llama 4's query scaling."""
+    import transformers as tf
+
+    tied = pixtral.model.config.tie_word_embeddings  # as the vision-language model: one matrix in and out
+    text = tf.Ministral3ForCausalLM(
+        tf.Ministral3Config(**{**pixtral.model.config.text_config.to_dict(), "tie_word_embeddings": tied}))
+    text.model.load_state_dict(pixtral.model.model.language_model.state_dict())
+    text.lm_head.load_state_dict(pixtral.model.lm_head.state_dict())
+    folder = tmp_path / "Ministral3-text"
+    text.eval().save_pretrained(folder)
+    shutil.copy(pixtral.hf / "tokenizer.model", folder)
+    shutil.copy(pixtral.hf / "tokenizer_config.json", folder)
+    ours = convert.convert(folder, tmp_path / "m.gguf", outtype="f32")
+    assert ours.mmproj is None
+    keys = assert_same_file(ours.path, _reference(folder, tmp_path / "ref.gguf", "f32"))
+    assert keys["general.architecture"] == "mistral3" and keys["mistral3.rope.scaling.yarn_log_multiplier"] == 1.0
+    assert gguf_tensors(ours.path) == gguf_tensors(pixtral.ours.path)  # the vision-language file's text model
+
+
 def _hf_greedy(pixtral: PixtralFamily, image: Path, n: int) -> list[bytes]:
     """transformers' greedy reply (F32) to what mtmd makes of PIXTRAL_TEMPLATE's prompt: BOS, each row
     of image patches followed by [IMG_BREAK], the last one by [IMG_END], then the text; each token
@@ -485,7 +515,7 @@ def _hf_greedy(pixtral: PixtralFamily, image: Path, n: int) -> list[bytes]:
     tok = _tokenizer("llama2-spm")
     with Image.open(image) as file:
         batch = pixtral.processor(images=[file.convert("RGB")], return_tensors="pt")
-    side = 16 * (2 if pixtral.family == "mistral3" else 1)
+    side = 16 * (1 if pixtral.family == "llava" else 2)
     rows = [[IMAGE_TOKENS["[IMG]"]] * (WIDTH // side) + [IMAGE_TOKENS["[IMG_BREAK]"]] for _ in range(HEIGHT // side)]
     rows[-1][-1] = IMAGE_TOKENS["[IMG_END]"]
     ids = torch.tensor([[tok.bos_token_id, *(t for row in rows for t in row),
@@ -842,8 +872,8 @@ def test_llava_with_another_tower_is_refused_by_name_with_the_supported_ones(tmp
      "LlavaForConditionalGeneration reads the vision tower's layer -2 ('default' patches); llama.cpp's "
      "pixtral projector reads every patch of its last layer"),
     ({"architectures": ["Mistral3ForConditionalGeneration"], "vision_config": {"model_type": "pixtral"},
-      "text_config": {"model_type": "ministral3"}},
-     "Mistral3ForConditionalGeneration with a 'ministral3' text model is not supported yet"),
+      "text_config": {"model_type": "mistral4"}},
+     "Mistral3ForConditionalGeneration with a 'mistral4' text model is not supported yet"),
     ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model"},
       "vision_feature_select_strategy": "full"},
      "LlavaForConditionalGeneration with a CLIP tower reads its patches with strategy 'full'; llama.cpp's mlp "
@@ -858,7 +888,7 @@ def test_llava_with_another_tower_is_refused_by_name_with_the_supported_ones(tmp
     ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip_vision_model",
       "num_hidden_layers": 4}, "vision_feature_layer": -6},
      "vision_feature_layer -6 is outside the tower's 4 layers"),
-], ids=["feature-layer", "ministral3", "clip-full", "clip-silu", "clip-layers", "clip-range"])
+], ids=["feature-layer", "mistral4", "clip-full", "clip-silu", "clip-layers", "clip-range"])
 def test_llava_variants_llama_cpp_would_run_otherwise_fail_before_reading_weights(
         config: dict[str, Any], message: str, tmp_path: Path) -> None:
     folder = _config_only(tmp_path / "ckpt", config)
