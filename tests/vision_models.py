@@ -93,6 +93,62 @@ class Reference:
     margins: list[float]  # top-1 minus top-2 logit at each step
 
 
+# LLaVA 1.5 (llava-hf) in small: a CLIP tower read at its last-but-one layer without [CLS], an MLP projector.
+LLAVA_IMAGE = 32000  # the <image> token, after the Llama 2 vocabulary
+CLIP_SIDE, CLIP_PATCH = 64, 16  # 16 patches; a test image of this size is not resized
+CLIP_MEAN, CLIP_STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+
+
+def llava15_checkpoint(folder: Path) -> Any:
+    """A tiny random llava-hf LLaVA 1.5: a 3-layer CLIP tower (quick GELU), read at layer -2 without
+    its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones.
+    Saved in the published layout (vision_tower.vision_model.*), with llava-hf's processor settings;
+    transformers 5's own layout, beside it in "saved", has no vision_model. Returns the model."""
+    import torch
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+
+    from tests.convert.convert_helpers import need_asset, randomize
+
+    text = {"model_type": "llama", "vocab_size": LLAVA_IMAGE + 2, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+              "num_attention_heads": 2, "image_size": CLIP_SIDE, "patch_size": CLIP_PATCH, "projection_dim": 64}
+    config = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=LLAVA_IMAGE,
+                            vision_feature_layer=-2, vision_feature_select_strategy="default",
+                            projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration(config)
+    randomize(model, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
+            p.copy_(torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(3.0)
+    model.eval().save_pretrained(folder.with_name("saved"))
+    saved = folder.with_name("saved")
+    shutil.copytree(saved, folder)  # llava-hf's files name the tower vision_model
+    tensors = load_file(saved / "model.safetensors")
+    tower = "vision_tower."
+    save_file({f"{tower}vision_model.{k[len(tower):]}" if k.startswith(tower) else k: v
+               for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "added_tokens_decoder": {
+            str(LLAVA_IMAGE): {"content": "<image>", "special": True},
+            str(LLAVA_IMAGE + 1): {"content": "<pad>", "special": True}}}))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+        "size": {"shortest_edge": CLIP_SIDE}, "crop_size": {"height": CLIP_SIDE, "width": CLIP_SIDE}}))
+    (folder / "processor_config.json").write_text(json.dumps({  # llava-hf's: how many image tokens
+        "processor_class": "LlavaProcessor", "image_token": "<image>", "patch_size": CLIP_PATCH,
+        "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}))
+    return model
+
+
 def qwen2vl(dtype: str = "f32") -> VisionModel:
     """The tiny Qwen2-VL and its text and projector GGUFs of dtype ("f32" or "f16").
 

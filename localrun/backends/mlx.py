@@ -453,7 +453,7 @@ class MLXEngine(MLXText, MLXDrafting):
         import numpy as np
 
         lp = np.array(logprobs.astype(self.mx.float32)).reshape(-1)
-        return token_logprob(lp, token, top, lambda t: str(self.tokenizer.decode([t])).encode())
+        return token_logprob(lp, token, top, self.piece)
 
     def embed(self, texts: list[str]) -> Embeddings:
         raise UsageError(f"'{self.model_info.name}' runs on MLX, which has no embedding mode here",

@@ -3,6 +3,7 @@ of its tokenizer that structured output and reasoning formats read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import render_chat
@@ -15,6 +16,9 @@ from localrun.store import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.reasoning import ReasoningFormat
+
+
+SPM_SPACE = "\u2581"  # SentencePiece's space
 
 
 class _Detok:
@@ -41,6 +45,34 @@ class _Detok:
     def flush(self) -> str:
         self.d.finalize()
         return str(self.d.last_segment)
+
+
+def token_pieces(tokenizer: Any) -> Callable[[int], bytes]:
+    """Each token's bytes as it adds them to a reply, as llama.cpp's pieces are: a SentencePiece
+    token's leading space ("\u2581") and a byte token's one byte (<0xE2>) included, a byte-level BPE
+    token's characters mapped back to its bytes. Decoding one token alone would drop the space and
+    turn a part of a character into U+FFFD. Read from mlx-lm's detokenizer's table, or from the
+    tokenizer's own token strings where mlx-lm decodes naively (no tokenizer.json)."""
+    detok = tokenizer.detokenizer
+    table = getattr(detok, "tokenmap", None)
+    if table is not None and hasattr(detok, "_maybe_trim_space"):  # byte-level BPE
+        from mlx_lm.tokenizer_utils import _byte_decoder
+
+        decoder, strings = _byte_decoder(), list(table)
+
+        def bpe(t: int) -> bytes:
+            text = strings[t] if 0 <= t < len(strings) else ""
+            return b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in text)
+
+        return bpe
+    if table is None:
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        strings = [t or "" for t in hf.convert_ids_to_tokens(list(range(len(hf))))]
+        if not any(t.startswith(SPM_SPACE) for t in strings):
+            return lambda t: str(tokenizer.decode([t])).encode()
+        table = [bytes([int(t[3:5], 16)]) if t.startswith("<0x") and len(t) == 6 else t.encode() for t in strings]
+    spm = list(table)
+    return lambda t: spm[t].replace(SPM_SPACE.encode(), b" ") if 0 <= t < len(spm) else b""
 
 
 class MLXText:
@@ -83,6 +115,13 @@ class MLXText:
             return "".join(detok.feed(t) for t in ids) + detok.flush()
 
         return agreeing_tokenizer(backend, self.vocab_size, sorted(self.eos), self.model_info.name, emitted)
+
+    def piece(self, token: int) -> bytes:
+        """A token's bytes in a reply (token_pieces), for logprobs; the table is read once."""
+        pieces = self.__dict__.get("_pieces")
+        if pieces is None:
+            pieces = self.__dict__["_pieces"] = token_pieces(self.tokenizer)
+        return pieces(token)
 
     def special_id(self, text: str) -> int | None:
         """The id of the added (special) token spelled `text`, if the tokenizer has one."""

@@ -54,6 +54,24 @@ KEEP_PIXELS = 4  # of which this many keep their pixel tensors; the others are p
 _PIXEL_INPUTS = ("pixel_values", "pixel_values_videos", "cached_image_features")  # not for a text-only suffix
 
 
+def keep_image_kwargs(processor: Any) -> None:
+    """Let a processor's image processor see only the settings it takes. Some of mlx-vlm's own
+    processors (LLaVA's) pass the text settings (padding...) to the image processor as well, which
+    transformers 5 refuses ("unexpected keyword argument 'padding'") for every request."""
+    image_processor = getattr(processor, "image_processor", None)
+    names = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {}))
+    if image_processor is None or not names or getattr(image_processor, "_localrun_kwargs", False):
+        return
+    cls = type(image_processor)
+
+    def call(self: Any, images: Any, *args: Any, **kwargs: Any) -> Any:
+        return cls.__call__(self, images, *args, **{k: v for k, v in kwargs.items()
+                                                     if k in names or k == "return_tensors"})
+
+    # a subclass of its own (a call is looked up on the class), so that it stays what it was
+    image_processor.__class__ = type(cls.__name__, (cls,), {"__call__": call, "_localrun_kwargs": True})
+
+
 def vlm_installed() -> bool:
     """Whether mlx-vlm is installed, without importing it (its import takes seconds)."""
     return importlib.util.find_spec("mlx_vlm") is not None
@@ -221,6 +239,7 @@ class VisionModel:
                                         "the folder may be incomplete, or made for another mlx-vlm; "
                                         "try 'pip install -U mlx-vlm'") from e
             self.config = vlm_config(cfg)
+        keep_image_kwargs(self.processor)
         # mlx-vlm sets a module without weights to None (a folder converted for text only)
         dropped = [k for k, v in vars(self.model).items() if v is None and any(w in k for w in ("vision", "visual"))]
         if dropped:

@@ -43,7 +43,14 @@ from convert.archs import llava_clip
 from localrun import api
 from localrun.generation import GenerationParams, LoadOptions, Request
 from tests.conftest import run_cli
-from tests.vision_models import qwen2vl, test_image
+from tests.vision_models import (
+    CLIP_MEAN,
+    CLIP_SIDE,
+    CLIP_STD,
+    llava15_checkpoint,
+    qwen2vl,
+    test_image,
+)
 
 Q = gguf.GGMLQuantizationType
 PROMPT = "Describe this image."
@@ -551,9 +558,6 @@ def test_pixtral_files_reply_to_an_image_as_transformers_does(pixtral: PixtralFa
 
 
 # LLaVA 1.5 (llava-hf): a CLIP tower read at its last-but-one layer without [CLS], an MLP projector
-LLAVA_IMAGE = 32000  # the <image> token, after the Llama 2 vocabulary
-CLIP_SIDE, CLIP_PATCH = 64, 16  # 16 patches; the test image is this size: not resized
-CLIP_MEAN, CLIP_STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
 
 
 @dataclass(frozen=True)
@@ -563,49 +567,10 @@ class ClipLlava:
     ours: convert.Result  # F32
 
 
-def _clip_llava_checkpoint(folder: Path) -> Any:
-    """A tiny random llava-hf LLaVA 1.5: a 3-layer CLIP tower (quick GELU), read at layer -2 without
-    its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones.
-    Saved in the published layout (vision_tower.vision_model.*); transformers 5's own, beside it in
-    "saved", has no vision_model."""
-    import torch
-    import transformers as tf
-
-    text = {"model_type": "llama", "vocab_size": LLAVA_IMAGE + 2, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5}
-    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-              "num_attention_heads": 2, "image_size": CLIP_SIDE, "patch_size": CLIP_PATCH, "projection_dim": 64}
-    config = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=LLAVA_IMAGE,
-                            vision_feature_layer=-2, vision_feature_select_strategy="default",
-                            projector_hidden_act="gelu")
-    torch.manual_seed(0)
-    model = tf.LlavaForConditionalGeneration(config)
-    randomize(model, seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
-            p.copy_(torch.randn(p.shape, generator=g))
-        for name, p in model.named_parameters():
-            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(3.0)
-    model.eval().save_pretrained(folder.with_name("saved"))
-    _published_layout(folder.with_name("saved"), folder)  # llava-hf's files name the tower vision_model
-    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "added_tokens_decoder": {
-            str(LLAVA_IMAGE): {"content": "<image>", "special": True},
-            str(LLAVA_IMAGE + 1): {"content": "<pad>", "special": True}}}))
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "CLIPImageProcessor", "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-        "size": {"shortest_edge": CLIP_SIDE}, "crop_size": {"height": CLIP_SIDE, "width": CLIP_SIDE}}))
-    return model
-
-
 @pytest.fixture(scope="module")
 def clip_llava(tmp_path_factory: pytest.TempPathFactory) -> ClipLlava:
     folder = tmp_path_factory.mktemp("llava15")
-    model = _clip_llava_checkpoint(folder / "ckpt")
+    model = llava15_checkpoint(folder / "ckpt")
     ours = convert.convert(folder / "ckpt", folder / "llava15-f32.gguf", outtype="f32")
     return ClipLlava(folder / "ckpt", model, ours)
 

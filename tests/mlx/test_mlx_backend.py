@@ -152,3 +152,31 @@ def _many(session: Any, prompts: list[str], params: GenerationParams) -> list[di
     rows = {e.id: asdict(e) for e in session.generate_many([(i, Request.raw(p), params) for i, p in enumerate(prompts)])
             if isinstance(e, RowResult)}
     return [rows[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama2-spm"])
+def test_logprob_pieces_are_each_tokens_bytes_in_the_reply(kind: str) -> None:
+    """A reply's tokens' logprob bytes make its text, as llama.cpp's pieces do: a SentencePiece
+    word's leading space kept (llama2-spm has no tokenizer.json: mlx-lm decodes it naively), a
+    character split across byte tokens kept whole in the bytes (decoding each token alone gives
+    U+FFFD and no space)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from localrun.backends.mlx_text import token_pieces
+    from tests.conftest import ASSETS, assets_or_skip
+
+    tokenizer = load_tokenizer(assets_or_skip(ASSETS / "tokenizers" / kind))
+    text = "Hello wörld, 🙂 and 漢字 ok"
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    pieces = token_pieces(tokenizer)
+    got = b"".join(pieces(t) for t in ids)
+    assert got == (" " + text if kind == "llama2-spm" else text).encode()  # SentencePiece's word-start space
+    assert any(pieces(t) and not _is_utf8(pieces(t)) for t in ids)  # a character split across tokens
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -276,3 +276,51 @@ def test_models_that_read_no_images_say_why(models: Models, folder: Path, pictur
         assert engine.prompt_tokens(Request.chat([{"role": "user", "content": "Hi"}]), [])
     finally:
         engine.close()
+
+
+# writes each image where the user turn's content puts it, as LLaVA's processor reads <image>
+LLAVA_TEMPLATE = ("{% for message in messages %}{% for part in message['content'] %}"
+                  "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+                  "{% endfor %}{% endfor %}")
+
+
+def test_llava15_replies_as_transformers_does(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """LLaVA 1.5 as llava-hf publishes it (a CLIP tower, an MLP projector) through mlx-vlm in the
+    engine loop: transformers' own greedy reply, token for token, to two images, with the prompt's
+    16 image tokens counted. mlx-vlm's LLaVA processor passes the text settings (padding) to the
+    image processor too, which transformers 5 refuses on every request; the engine lets the image
+    processor see only its own settings (keep_image_kwargs)."""
+    import torch
+    import transformers as tf
+    from PIL import Image
+
+    from tests.vision_models import CLIP_SIDE, llava15_checkpoint
+
+    root = tmp_path_factory.mktemp("llava15")
+    model = llava15_checkpoint(root / "ckpt")
+    processor = tf.AutoProcessor.from_pretrained(root / "ckpt")
+    folder = mlx_vlm_folder(root / "ckpt")
+    s = api.load(api.get_model(str(folder)), LoadOptions(n_ctx=512, n_parallel=1), engine="mlx")
+    replies = []
+    try:
+        assert s.info()["vision"] == "mlx-vlm (llava)"
+        for seed in (0, 1):
+            picture = test_image(root / f"image{seed}.png", CLIP_SIDE, CLIP_SIDE, seed=seed)
+            request = Request.chat([user(PROMPT, picture)])
+            request = Request(**{**request.__dict__, "template": LLAVA_TEMPLATE})
+            chunks = list(api.stream(s, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
+            got = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+            with Image.open(picture) as file:
+                inputs = processor(images=[file.convert("RGB")], text=f"<image>{PROMPT}", return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+            pieces = processor.tokenizer.convert_ids_to_tokens(out.tolist())
+            want = [bytes([int(p[3:5], 16)]) if p.startswith("<0x") else p.replace("\u2581", " ").encode()
+                    for p in pieces]
+            assert got == want, seed
+            assert b"".join(got) == "".join(c.text for c in chunks).encode()  # each token's piece of the text
+            assert chunks[-1].prompt_tokens == inputs["input_ids"].shape[1] and chunks[-1].images_encoded == 1
+            replies.append(got)
+    finally:
+        s.close()
+    assert replies[0] != replies[1]  # the reply depends on the image
