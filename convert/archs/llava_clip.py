@@ -34,8 +34,8 @@ CLIP_DEFAULTS = {
     "layer_norm_eps": 1e-5,
 }
 NOTICE = (
-    "llama.cpp's runtime puts a CLIP tower's [CLS] token after the patches (its issue 25814), so "
-    "llama.cpp and localrun see images a little differently from the original LLaVA until it is fixed"
+    "llama.cpp's runtime puts a CLIP tower's [CLS] token after the patches (its issue 25814): until "
+    "that is fixed, llama.cpp and localrun read images otherwise than the model was trained"
 )
 # the tower's and projector's source names (llava-hf's, transformers 5's saved and in-memory layouts)
 _SOURCE = re.compile(r"^(?:model\.)?(?:vision_tower\.(?:vision_model\.)?|(multi_modal_projector)\.)(.*)$")

@@ -221,7 +221,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
             **({"draft_model": self.drafter.name} if self.drafter is not None else {}),
             **({"draft_refused": self.draft_refused} if self.draft_refused else {}),
             **({"mmproj": self.vision.path, "images_encoded": self.vision.encoded} if self.vision is not None else {}),
-            **({"warning": self.vision_missing} if self.vision_missing else {}),
+            **({"warning": warning} if (warning := self.vision_missing or (self.vision and self.vision.warning)) else {}),
         }
 
     # -- the engine loop's operations -----------------------------------------------------

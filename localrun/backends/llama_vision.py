@@ -27,6 +27,24 @@ from localrun.errors import BadModelFileError, EngineError, UsageError
 _SPAN = 1 << 20  # positions per image in the placeholder numbering
 KEEP_IMAGES = 64  # tokenized images kept for the prefill of queued requests (least recently used go)
 EMBEDDINGS_BYTES = 256 << 20  # encoded images' embeddings kept for other sequences (least recently used go)
+# The projector types llama.cpp runs on its LLaVA graph, which puts a CLIP tower's [CLS] token after the patches
+_LLAVA_GRAPH = ("mlp", "mlp_norm", "ldp", "ldpv2", "glm_edge")
+CLS_LAST = ("llama.cpp puts this projector's [CLS] token after the image's patches (llama.cpp issue 25814): "
+            "it reads images otherwise than the model was trained, and may describe them less well")
+
+
+def cls_last(path: str) -> bool:
+    """Whether llama.cpp runs this projector with its [CLS] token in the wrong place: a CLIP tower
+    (one with a class embedding) on its LLaVA graph (LLaVA 1.5 and 1.6, BakLLaVA, MobileVLM...)."""
+    from localrun.errors import LocalrunError
+    from localrun.gguf_header import read_gguf
+
+    try:
+        meta = read_gguf(path, whole_model=False)
+    except LocalrunError:
+        return False
+    return (meta.metadata.get("clip.projector_type") in _LLAVA_GRAPH
+            and any(t.name == "v.class_embd" for t in meta.tensors))
 
 
 def placeholder(key: int, i: int) -> int:
@@ -81,6 +99,7 @@ class Vision:
             mt.mtmd_free(self.ctx)
             self.ctx = None
             raise BadModelFileError(f"'{path}' is not a vision projector (it reads no images)")
+        self.warning = CLS_LAST if cls_last(path) else None  # what the user should know about how it runs
         self.marker = mt.mtmd_default_marker().decode()
         self.n_embd = ll.llama_model_n_embd_inp(model)  # what an image embedding's row holds, as the helper reads it
         self.embeddings: OrderedDict[int, Any] = OrderedDict()  # image key -> its encoded embeddings (c_float array)

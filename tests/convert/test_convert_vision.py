@@ -41,6 +41,7 @@ from convert_helpers import (
 import convert
 from convert.archs import llava_clip
 from localrun import api
+from localrun.backends import llama_vision
 from localrun.generation import GenerationParams, LoadOptions, Request
 from tests.conftest import run_cli
 from tests.vision_models import (
@@ -695,6 +696,11 @@ def test_llava15_converts_through_the_cli_which_says_how_llama_cpp_runs_it(clip_
     assert "issue 25814" in notes[0]
     info = api.get_model("llava-tiny:f16")
     assert Path(info.path) == model and info.details["mmproj"] == str(projector.resolve())
+    # and every run of it says how llama.cpp reads its images
+    image = test_image(tmp_path / "image.png", CLIP_SIDE, CLIP_SIDE)
+    res = run_cli("run", "llava-tiny:f16", PROMPT, "--image", str(image), "-n", "2", "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    assert f"localrun: warning: 'llava-tiny:f16': {llama_vision.CLS_LAST}" in res.stderr.splitlines()
 
 
 def _llama_cpp_image(text: Path, mmproj: Path, image: Path) -> Any:
@@ -768,6 +774,7 @@ def test_llava15_files_run_in_llama_cpp_as_its_graph_says_and_reply_as_transform
         session = api.load(api.get_model(str(ours.path)),
                            LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
         try:
+            assert session.info()["warning"] == llama_vision.CLS_LAST  # said to whoever runs it
             request = dataclasses.replace(
                 Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
                 template=PIXTRAL_TEMPLATE)
