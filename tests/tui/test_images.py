@@ -260,3 +260,27 @@ def test_chat_with_images_snapshot(snap_compare: Any, make_app: Any, tmp_path: P
         await pilot.pause()
 
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+# -- what the engine warns of ------------------------------------------------------------------
+
+
+def test_the_engines_warning_about_a_model_is_shown_once(make_app: Any, tmp_path: Path) -> None:
+    asyncio.run(_test_warning_once(make_app, tmp_path))
+
+
+async def _test_warning_once(make_app: Any, tmp_path: Path) -> None:
+    """A vision model whose projector file is gone runs as text: the chat says so when it loads,
+    once, not with every reply."""
+    vm = qwen2vl()
+    projector = tmp_path / "mmproj-gone.gguf"
+    projector.write_bytes(vm.mmproj.read_bytes())
+    api.add_model(str(vm.gguf), name="vl:gone", mmproj=str(projector))
+    projector.unlink()
+    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=4), model="vl:gone")
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        await ask(pilot, "Hello", typed=False)
+        await ask(pilot, "Hello again", typed=False)
+    warning = f"vl:gone: its vision projector '{projector.resolve()}' is missing: it reads no images"
+    assert [n for n in app.notices if n[0] == "warning"] == [("warning", warning)]

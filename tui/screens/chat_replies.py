@@ -98,7 +98,7 @@ class ChatReplies(Screen[None]):
             target = api.resolve_target(model)  # a model, an adapter, or base+adapter
             loaded = target.model.name
             with api.use_target(models, target, keep_alive=-1) as (session, engine):
-                self.app.call_from_thread(self._loaded, generation)
+                self.app.call_from_thread(self._loaded, generation, loaded, session.info().get("warning"))
                 request = target.request(api.build_messages(prompt, system or None, history, images))
                 for chunk in api.stream(session, request, target.params(target.under(params), engine), cancel):
                     if chunk.done:
@@ -135,7 +135,13 @@ class ChatReplies(Screen[None]):
         except Exception as e:  # noqa: BLE001 - whatever happens, the app keeps running
             self.post_message(ReplyFailed(generation, f"{type(e).__name__}: {e}"))
 
-    def _loaded(self, generation: int) -> None:
+    def _loaded(self, generation: int, model: str = "", warning: str | None = None) -> None:
+        """The model is loaded: the status line says so, and what the engine warns of about this
+        model (its projector missing, its images read otherwise than trained) is shown once per app."""
+        warned: set[tuple[str, str]] = self.app.__dict__.setdefault("_model_warnings", set())
+        if warning and (model, warning) not in warned:
+            warned.add((model, warning))
+            self.notify(f"{model}: {warning}", title="Warning", severity="warning", timeout=15)
         if generation == self.generation and self.generating:
             n = self._context_length(self.conversation.model) if self.conversation else None
             self.status.show(state="generating…", context_length=int(n) if n else None)
