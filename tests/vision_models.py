@@ -99,6 +99,24 @@ CLIP_SIDE, CLIP_PATCH = 64, 16  # 16 patches; a test image of this size is not r
 CLIP_MEAN, CLIP_STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
 
 
+def clear_margins(model: Any, seed: int) -> None:
+    """Random weights (randomize) whose greedy reply depends on the image, with top-1 margins far
+    above F32 rounding: unit-scale embeddings and output rows, the text model's output projections
+    tripled."""
+    import torch
+
+    from tests.convert.convert_helpers import randomize
+
+    randomize(model, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
+            p.copy_(torch.randn(p.shape, generator=g))
+        for name, p in model.named_parameters():
+            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(3.0)
+
+
 def llava15_checkpoint(folder: Path) -> Any:
     """A tiny random llava-hf LLaVA 1.5: a 3-layer CLIP tower (quick GELU), read at layer -2 without
     its [CLS] token, a GELU projector with biases, a Llama text model; weights as the Pixtral ones.
@@ -108,7 +126,7 @@ def llava15_checkpoint(folder: Path) -> Any:
     import transformers as tf
     from safetensors.numpy import load_file, save_file
 
-    from tests.convert.convert_helpers import need_asset, randomize
+    from tests.convert.convert_helpers import need_asset
 
     text = {"model_type": "llama", "vocab_size": LLAVA_IMAGE + 2, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -120,14 +138,7 @@ def llava15_checkpoint(folder: Path) -> Any:
                             projector_hidden_act="gelu")
     torch.manual_seed(0)
     model = tf.LlavaForConditionalGeneration(config)
-    randomize(model, seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
-            p.copy_(torch.randn(p.shape, generator=g))
-        for name, p in model.named_parameters():
-            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(3.0)
+    clear_margins(model, seed=5)
     model.eval().save_pretrained(folder.with_name("saved"))
     saved = folder.with_name("saved")
     shutil.copytree(saved, folder)  # llava-hf's files name the tower vision_model

@@ -35,7 +35,6 @@ from convert_helpers import (
     gguf_tensors,
     llama_cpp_converter_dir,
     need_asset,
-    randomize,
 )
 
 import convert
@@ -48,6 +47,7 @@ from tests.vision_models import (
     CLIP_MEAN,
     CLIP_SIDE,
     CLIP_STD,
+    clear_margins,
     llava15_checkpoint,
     qwen2vl,
     test_image,
@@ -416,15 +416,7 @@ def _pixtral_checkpoint(folder: Path, family: str) -> tuple[Any, Any]:
         merge = 2
         model = tf.Mistral3ForConditionalGeneration(
             tf.Mistral3Config(**common, spatial_merge_size=merge, multimodal_projector_bias=False))
-    seed = 5
-    randomize(model, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (model.get_input_embeddings().weight, model.lm_head.weight):
-            p.copy_(torch.randn(p.shape, generator=g))
-        for name, p in model.named_parameters():
-            if "language_model." in name and name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.mul_(3.0)
+    clear_margins(model, seed=5)
     model.eval().save_pretrained(folder)
     shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
     (folder / "tokenizer_config.json").write_text(json.dumps({
@@ -513,6 +505,20 @@ def test_ministral3_text_model_alone_equals_llama_cpps(pixtral: PixtralFamily, t
     assert gguf_tensors(ours.path) == gguf_tensors(pixtral.ours.path)  # the vision-language file's text model
 
 
+def _engine_reply(ours: convert.Result, image: Path, n: int = 8) -> tuple[list[bytes], dict[str, Any]]:
+    """The llama.cpp engine's greedy reply (each token's bytes) to PIXTRAL_TEMPLATE's prompt, the
+    image then PROMPT, with our converted pair loaded; and the session's info."""
+    assert ours.mmproj is not None
+    session = api.load(api.get_model(str(ours.path)), LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
+    try:
+        request = dataclasses.replace(
+            Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]), template=PIXTRAL_TEMPLATE)
+        chunks = list(api.stream(session, request, GenerationParams(temperature=0, max_tokens=n, logprobs=0)))
+        return [bytes(lp.bytes) for c in chunks for lp in c.logprobs], session.info()
+    finally:
+        session.close()
+
+
 def _hf_greedy(pixtral: PixtralFamily, image: Path, n: int) -> list[bytes]:
     """transformers' greedy reply (F32) to what mtmd makes of PIXTRAL_TEMPLATE's prompt: BOS, each row
     of image patches followed by [IMG_BREAK], the last one by [IMG_END], then the text; each token
@@ -543,16 +549,7 @@ def test_pixtral_files_reply_to_an_image_as_transformers_does(pixtral: PixtralFa
     replies = []
     for seed in (0, 1):
         image = test_image(tmp_path / f"image{seed}.png", WIDTH, HEIGHT, seed=seed)
-        session = api.load(api.get_model(str(ours.path)),
-                           LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
-        try:
-            request = dataclasses.replace(
-                Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
-                template=PIXTRAL_TEMPLATE)
-            chunks = list(api.stream(session, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
-        finally:
-            session.close()
-        got = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+        got, _ = _engine_reply(ours, image)
         assert got == _hf_greedy(pixtral, image, 8)
         replies.append(got)
     assert replies[0] != replies[1]  # the reply depends on the image: the projector is in use
@@ -771,17 +768,8 @@ def test_llava15_files_run_in_llama_cpp_as_its_graph_says_and_reply_as_transform
         assert np.abs(got - graph).max() < 1e-3 * np.abs(graph).max()
         own = _transformers_image(clip_llava.model, image, cls_last=False)
         assert np.abs(got - own).max() > 0.1 * np.abs(own).max()  # llama.cpp issue 25814, still there
-        session = api.load(api.get_model(str(ours.path)),
-                           LoadOptions(n_ctx=512, n_parallel=1, mmproj=str(ours.mmproj.path)))
-        try:
-            assert session.info()["warning"] == llama_vision.CLS_LAST  # said to whoever runs it
-            request = dataclasses.replace(
-                Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
-                template=PIXTRAL_TEMPLATE)
-            chunks = list(api.stream(session, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
-        finally:
-            session.close()
-        reply = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+        reply, info = _engine_reply(ours, image)
+        assert info["warning"] == llama_vision.CLS_LAST  # said to whoever runs it
         embed = clip_llava.model.get_input_embeddings()
         ids = tok.encode(PROMPT, add_special_tokens=False)
         with torch.no_grad():
