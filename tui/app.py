@@ -57,6 +57,7 @@ class LocalrunApp(App[None]):
         theme: str | None = None,
     ) -> None:
         super().__init__()
+        self.model_warnings: set[tuple[str, str]] = set()  # (model, warning) already shown
         self.default_params = params or GenerationParams()
         self.default_system = system
         self.initial_model = model

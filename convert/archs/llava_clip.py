@@ -16,8 +16,8 @@ LLaVA GGUF runs so there; the converted files are right for a runtime with that 
 
 from __future__ import annotations
 
+import functools
 import re
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -78,15 +78,12 @@ class ClipProjector(Projector):
     vision_prefixes = ("vision_tower.", "multi_modal_projector.")
     notice = NOTICE
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        preprocessor: dict[str, Any] | None = None,
-        folder: Path | None = None,
-    ) -> None:
-        vision = {**CLIP_DEFAULTS, **{k: v for k, v in config["vision_config"].items() if v is not None}}
-        super().__init__({**config, "vision_config": vision}, preprocessor, folder)
-        self.blocks = feature_block(config, self.n_layers)
+    vision_defaults = CLIP_DEFAULTS
+
+    @functools.cached_property
+    def blocks(self) -> int:
+        """The tower's blocks the image goes through (its feature layer)."""
+        return feature_block(self.config, self.n_layers)
 
     def write_hparams(self, w: gguf.GGUFWriter) -> None:
         """The keys llama.cpp's convert_image_encoder_to_gguf.py writes for a LLaVA projector."""

@@ -33,6 +33,8 @@ class Projector(Arch):
     # llama.cpp's converter keeps a SigLIP tower's patch and position embeddings in F32 whatever
     # the type (other towers: patch embeddings F16 in an F16 file, else F32)
     f32_embeddings: ClassVar[bool] = False
+    # The tower's config values transformers assumes where config.json's vision_config names none.
+    vision_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -47,7 +49,7 @@ class Projector(Arch):
                 "config.json has no vision_config", "the checkpoint's config is incomplete"
             )
         self.config = config
-        self.vision = vision
+        self.vision = {**self.vision_defaults, **{k: v for k, v in vision.items() if v is not None}}
         self.text = {**config, **(config.get("text_config") or {})}
         self.preprocessor = preprocessor or {}
         for key in ("image_mean", "image_std"):

@@ -3,6 +3,7 @@ of its tokenizer that structured output and reasoning formats read."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -116,12 +117,10 @@ class MLXText:
 
         return agreeing_tokenizer(backend, self.vocab_size, sorted(self.eos), self.model_info.name, emitted)
 
-    def piece(self, token: int) -> bytes:
+    @functools.cached_property
+    def piece(self) -> Callable[[int], bytes]:
         """A token's bytes in a reply (token_pieces), for logprobs; the table is read once."""
-        pieces = self.__dict__.get("_pieces")
-        if pieces is None:
-            pieces = self.__dict__["_pieces"] = token_pieces(self.tokenizer)
-        return pieces(token)
+        return token_pieces(self.tokenizer)
 
     def special_id(self, text: str) -> int | None:
         """The id of the added (special) token spelled `text`, if the tokenizer has one."""

@@ -138,7 +138,7 @@ class ChatReplies(Screen[None]):
     def _loaded(self, generation: int, model: str = "", warning: str | None = None) -> None:
         """The model is loaded: the status line says so, and what the engine warns of about this
         model (its projector missing, its images read otherwise than trained) is shown once per app."""
-        warned: set[tuple[str, str]] = self.app.__dict__.setdefault("_model_warnings", set())
+        warned: set[tuple[str, str]] = self.app.model_warnings  # type: ignore[attr-defined]
         if warning and (model, warning) not in warned:
             warned.add((model, warning))
             self.notify(f"{model}: {warning}", title="Warning", severity="warning", timeout=15)
