@@ -21,7 +21,7 @@ import pytest
 
 from localrun import api
 from localrun.backends.drafting import DraftControl, DraftRecord, PromptLookup, lookup
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.generation import GenerationParams, LoadOptions, Request
 
 MODEL = "smollm2:135m"
 PASSAGE = ("The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in "
@@ -200,27 +200,38 @@ def test_the_chi_square_test_tells_distributions_apart() -> None:
     assert _homogeneity([rng.choice("aabbc") for _ in range(400)], [rng.choice("aabbcc") for _ in range(400)]) < 0.01
 
 
-def test_sampled_replies_follow_the_models_distribution(session: object) -> None:
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily saw "
+         "a big red ball. Once upon a time, there was a little girl named Lily. She")
+
+
+def test_sampled_replies_follow_the_models_distribution(stories: Path) -> None:
     """Drafts are kept only while the model's own sample at each position equals them, so sampled
-    replies with drafts come from the model's distribution. 200 replies (different seeds) of each
-    drafter against 200 without drafts: a chi-square test finds no difference (p > 0.001), while it
-    tells temperature 1.0 from 0.6 apart (p < 1e-4): the test can see a shift that size."""
-    request = api.build_messages(REWRITE)
+    replies with drafts come from the model's distribution. 1000 replies (different seeds) of each
+    drafter against 1000 without drafts: a chi-square test finds no difference (p > 0.001), while it
+    tells temperature 1.0 from 0.6 apart (p < 1e-4): the test can see a shift that size. The model
+    is the 260K-parameter Llama drafting for itself: the mechanism is the same for any model, and a
+    tiny one samples 4000 replies in seconds (on one thread: waking a second one costs more than
+    its share of so small a step)."""
+    s = api.load(str(stories), LoadOptions(n_ctx=1024, n_parallel=8, draft=str(stories), n_threads=1))
+    request = Request.raw(STORY)
 
     def sample(seed0: int, temperature: float, speculative: str | None) -> tuple[list[str], int]:
         rows = [(i, request, GenerationParams(temperature=temperature, seed=seed0 + i, max_tokens=4,
-                                              speculative=speculative, draft_always=True)) for i in range(200)]
-        out = [r for r in session.generate_many(rows) if hasattr(r, "text")]  # type: ignore[attr-defined]
-        assert not [r.error for r in out if r.error]
+                                              speculative=speculative, draft_always=True)) for i in range(1000)]
+        out = [r for r in s.generate_many(rows) if hasattr(r, "text")]
+        assert len(out) == 1000 and not [r.error for r in out if r.error]
         return [r.text for r in out], sum(r.accepted_tokens for r in out)
 
-    plain, _ = sample(0, 1.0, None)
-    for i, drafter in enumerate(("lookup", "model")):
-        drafted, kept = sample(100_000 * (i + 1), 1.0, drafter)
-        assert kept > 150, drafter  # drafts were kept: this is the path under test
-        assert _homogeneity(plain, drafted) > 1e-3, drafter
-    colder, _ = sample(300_000, 0.6, None)
-    assert _homogeneity(plain, colder) < 1e-4
+    try:
+        plain, _ = sample(0, 1.0, None)
+        for i, drafter in enumerate(("lookup", "model")):
+            drafted, kept = sample(100_000 * (i + 1), 1.0, drafter)
+            assert kept > 750, drafter  # drafts were kept: this is the path under test
+            assert _homogeneity(plain, drafted) > 1e-3, drafter
+        colder, _ = sample(300_000, 0.6, None)
+        assert _homogeneity(plain, colder) < 1e-4
+    finally:
+        s.close()
 
 
 def test_parallel_streams_draft_in_one_batch(session: object) -> None:
