@@ -24,8 +24,13 @@ STRICT = "LOCALRUN_TEST_STRICT"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Engines spin-wait their threads: two test processes fighting over 2 cores would crawl.
+    # Engines spin-wait their threads (OpenMP's default: 300,000 spins at each barrier), so two
+    # test processes fighting over 2 cores would crawl: 200 replies of the starter took 72 s each
+    # side, two at once. Waiting passively costs every solo step a wake-up at each barrier (7.4 s
+    # solo, 8.3 s two at once); a short spin first keeps the solo speed (4.8 s, as the default) and
+    # nearly all of the shared one (8.9 s). GOMP_SPINCOUNT overrides the policy's spin count.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     config.addinivalue_line(
         "markers", f"expected_skip(reason): a skip this test may take even under {STRICT}=1 (e.g. another platform)"
     )

@@ -210,9 +210,8 @@ def test_sampled_replies_follow_the_models_distribution(stories: Path) -> None:
     drafter against 1000 without drafts: a chi-square test finds no difference (p > 0.001), while it
     tells temperature 1.0 from 0.6 apart (p < 1e-4): the test can see a shift that size. The model
     is the 260K-parameter Llama drafting for itself: the mechanism is the same for any model, and a
-    tiny one samples 4000 replies in seconds (on one thread: waking a second one costs more than
-    its share of so small a step)."""
-    s = api.load(str(stories), LoadOptions(n_ctx=1024, n_parallel=8, draft=str(stories), n_threads=1))
+    tiny one samples 4000 replies in seconds."""
+    s = api.load(str(stories), LoadOptions(n_ctx=1024, n_parallel=8, draft=str(stories)))
     request = Request.raw(STORY)
 
     def sample(seed0: int, temperature: float, speculative: str | None) -> tuple[list[str], int]:
