@@ -313,7 +313,7 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
 
 
 def model_pool(options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
-               keep_alive: float = 300.0) -> Pool:
+               keep_alive: float = 300.0, on_load: Callable[[ModelInfo, Session], None] | None = None) -> Pool:
     """A pool of loaded models for a front end that serves many requests (the TUI, the server).
 
     Args:
@@ -321,13 +321,15 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
         engine: force an engine (a name from backends.base.backend_names()).
         max_loaded: models loaded at once; loading another unloads the one idle longest.
         keep_alive: default seconds a model stays loaded after its last use (negative: forever).
+        on_load: called with (model, session) after each load that succeeds (what the engine says
+            of the model is in session.info(), e.g. its "warning").
 
     Returns:
         localrun.pool.Pool: use(model, keep_alive) yields a Session; loaded(), unload(), close().
     """
     from localrun.pool import Pool
 
-    return Pool(load, get_model, options, engine, max_loaded=max_loaded, keep_alive=keep_alive)
+    return Pool(load, get_model, options, engine, max_loaded=max_loaded, keep_alive=keep_alive, on_load=on_load)
 
 
 @contextmanager

@@ -67,15 +67,17 @@ class Pool:
 
     def __init__(self, loader: Callable[..., Session], resolve: Callable[[str], ModelInfo],
                  options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
-                 keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+                 keep_alive: float = DEFAULT_KEEP_ALIVE,
+                 on_load: Callable[[ModelInfo, Session], None] | None = None) -> None:
         """loader(model, options, engine=, event_loop=) loads a session (api.load); resolve(name)
-        finds a model (api.get_model)."""
+        finds a model (api.get_model); on_load(model, session) is told of each load that succeeds."""
         self.options = options or LoadOptions()
         self.engine = engine
         self.max_loaded = max(1, max_loaded)
         self.keep_alive = keep_alive
         self.event_loop: asyncio.AbstractEventLoop | None = None  # a server's: its sessions are read on that loop
         self._loader = loader
+        self._on_load = on_load
         self._resolve = resolve
         self._lock = threading.Condition()
         self._entries: dict[tuple[str, LoadOptions], _Entry] = {}  # (model name, load options) -> instance
@@ -195,6 +197,11 @@ class Pool:
                 if entry.options.n_ctx is None:  # the engine's own default for these settings
                     self._defaults[entry.model.name, entry.settings] = context
         entry.ready.set()
+        if self._on_load is not None:
+            try:
+                self._on_load(entry.model, entry.session)
+            except Exception:  # noqa: BLE001 - a listener's failure must not fail the load it hears of
+                pass
         return entry
 
     def _drop(self, entry: _Entry) -> None:

@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -198,8 +199,34 @@ def test_cli_add_list_show_run_and_a_missing_projector(vl: VisionModel, pictures
     assert res.returncode == 0 and res.stderr.count("warning") == 1
     assert "its vision projector" in res.stderr and "is missing: it reads no images" in res.stderr
     assert "vision" not in json.loads(run_cli("show", "vl:tiny", "--json").stdout)["capabilities"]
+    _served_warns_once(res.stderr.strip())
     res = run_cli("run", "vl:tiny", PROMPT, "--image", str(pictures[0]), "--ctx", "512")
     assert res.returncode != 0 and "'vl:tiny' does not support images (its vision projector" in res.stderr
+
+
+def _served_warns_once(warning: str) -> None:
+    """`localrun serve` says the engine's warning about a model in its log when it loads it, once
+    however often the model loads again (here after unloading it with keep_alive 0)."""
+    import ollama
+
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--port", "0", "--ctx", "512", "--parallel", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "LOCALRUN_API_KEY": ""})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith("localrun: serving on http://127.0.0.1:"), line
+        client = ollama.Client(host=line.split("serving on ", 1)[1].split()[0], timeout=300)
+        for _ in range(2):
+            reply = client.generate(model="vl:tiny", prompt="Hello", keep_alive=0, options={"num_predict": 2})
+            assert reply.done
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert err.count("warning") == 1 and warning in err, err
 
 
 def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: list[Path], tmp_path: Path) -> None:

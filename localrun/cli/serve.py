@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import (
     MAX_PARALLEL,
@@ -14,6 +14,10 @@ from localrun.cli.options import (
     int_in,
     load_options_from_args,
 )
+
+if TYPE_CHECKING:
+    from localrun.backends.base import Session
+    from localrun.store import ModelInfo
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434  # Ollama's, so its clients work with no configuration
@@ -130,8 +134,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               draft_always=args.draft_always,
                               media_dir=os.path.realpath(args.media_dir) if args.media_dir else None,
                               allow_fetch=args.allow_fetch)
-        pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive)
         err = sys.stderr
+        warned: set[tuple[str, str]] = set()
+
+        def on_load(model: ModelInfo, session: Session) -> None:
+            # What the engine warns of about a model (a projector gone, one llama.cpp reads otherwise
+            # than trained), said once per model in the server's log, not at every reload.
+            warning = session.info().get("warning")
+            if warning and (model.name, warning) not in warned:
+                warned.add((model.name, warning))
+                print(f"localrun: warning: '{model.name}': {warning}", file=err, flush=True)
+
+        pool = api.model_pool(options, engine=args.engine, max_loaded=args.max_loaded, keep_alive=args.keep_alive,
+                              on_load=on_load)
         if not is_loopback(args.host):
             print(f"localrun: warning: listening on {args.host} makes your models reachable from other machines"
                   + ("" if key else "; set --api-key to require a key"), file=err)
