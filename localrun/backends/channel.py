@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
+import threading
 from collections import deque
 from typing import Any
 
@@ -61,6 +63,57 @@ class Channel:
                 self._fill(None)
         out = [json.loads(line) for line in self.lines]
         self.lines.clear()
+        return out
+
+
+class Inbox:
+    """A channel's incoming messages, read by a thread of its own as they come.
+
+    The engine worker reads its parent's requests between engine steps. Read there, a message
+    larger than the pipe holds (a request with an image: hundreds of KB of base64) came in 64 KB
+    per step, the parent's send blocked meanwhile, and each request behind it waited for more steps
+    to end (4 image requests at once: the last two reached the engine 0.65 s late, one image's
+    encoding). The engine's native calls release the GIL, so this thread takes each message whole
+    while a step computes.
+    """
+
+    _END = object()
+
+    def __init__(self, chan: Channel) -> None:
+        self.eof = False
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._chan = chan
+        threading.Thread(target=self._read, daemon=True, name="channel-inbox").start()
+
+    def _read(self) -> None:
+        chan = self._chan
+        try:
+            while not chan.eof:
+                chan._fill(None)
+                while chan.lines:
+                    self._q.put(json.loads(chan.lines.popleft()))
+        except BaseException as e:  # noqa: BLE001 - raised where the messages are taken
+            self._q.put(e)
+        self._q.put(self._END)
+
+    def recv_all(self, timeout: float | None) -> list[Any]:
+        """Every message that has arrived (waiting up to timeout for one; None: until one comes);
+        after the last, .eof is set. A message that could not be read is raised here."""
+        out: list[Any] = []
+        if self.eof:
+            return out
+        try:
+            item = self._q.get(timeout=timeout) if timeout != 0 else self._q.get_nowait()
+            while True:
+                if item is self._END:
+                    self.eof = True
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                out.append(item)
+                item = self._q.get_nowait()
+        except queue.Empty:
+            pass
         return out
 
 

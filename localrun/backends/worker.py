@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from localrun.backends.channel import Channel, error_to_wire
+from localrun.backends.channel import Channel, Inbox, error_to_wire
 from localrun.backends.isolation import child_channel
 from localrun.errors import EngineError, LocalrunError
 from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
@@ -57,6 +57,7 @@ def serve() -> None:
     from localrun.backends.loop import EngineLoop
 
     chan = child_channel()
+    inbox = Inbox(chan)
     sink = _PipeSink(chan)
     engine: Any = None
     loop: EngineLoop | None = None
@@ -64,8 +65,8 @@ def serve() -> None:
     running = True
     while running:
         busy = loop is not None and loop.busy
-        msgs = chan.recv_all(0 if busy else None)
-        if not msgs and chan.eof:
+        msgs = inbox.recv_all(0 if busy else None)
+        if not msgs and inbox.eof:
             break
         for msg in msgs:
             op, rid = msg.get("op"), msg.get("i")
