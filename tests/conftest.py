@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -172,6 +175,36 @@ def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = N
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@dataclass
+class Stopped:
+    """What a `localrun serve` run with serve_command left once Ctrl-C stopped it."""
+
+    returncode: int | None = None
+    out: str = ""
+    err: str = ""  # after the "serving on" line
+
+
+@contextmanager
+def serve_command(*args: str) -> Iterator[tuple[str, Stopped]]:
+    """`localrun serve --port 0 ARGS` started as a user starts it: yields its URL once it says it
+    serves, and what it left (filled in when the block ends: Ctrl-C stops it, as a user would)."""
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--port", "0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "LOCALRUN_API_KEY": ""})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # printed once the socket listens
+        assert line.startswith("localrun: serving on http://127.0.0.1:"), line
+        stopped = Stopped()
+        yield line.split("serving on ", 1)[1].split()[0], stopped
+        proc.send_signal(signal.SIGINT)
+        stopped.out, stopped.err = proc.communicate(timeout=60)
+        stopped.returncode = proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

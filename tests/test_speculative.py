@@ -9,11 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import pytest
 from localrun import api
 from localrun.backends.drafting import DraftControl, DraftRecord, PromptLookup, lookup
 from localrun.generation import GenerationParams, LoadOptions, Request
+from tests.conftest import serve_command
 
 MODEL = "smollm2:135m"
 PASSAGE = ("The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in "
@@ -321,14 +318,7 @@ def test_serve_drafts_with_a_model_for_the_models_that_share_its_vocabulary(cli:
     import openai
 
     assert cli("add", str(stories), "--name", "stories:260k").returncode == 0  # type: ignore[operator]
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--port", "0", "--ctx", "512", "--parallel", "2",
-                             "--draft", MODEL, "--draft-always"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "LOCALRUN_API_KEY": ""})
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        assert line.startswith("localrun: serving on http://127.0.0.1:"), line
-        url = line.split("serving on ", 1)[1].split()[0]
+    with serve_command("--ctx", "512", "--parallel", "2", "--draft", MODEL, "--draft-always") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30,
                                                messages=[{"role": "user", "content": PROSE}])
@@ -345,12 +335,6 @@ def test_serve_drafts_with_a_model_for_the_models_that_share_its_vocabulary(cli:
                                                      "stream": False, "options": {"num_predict": 8}})
             assert other.status_code == 200 and other.json()["response"]
             assert "drafted_tokens" not in other.json()
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_batch_rows_and_both_apis_report_drafts(cli: object, tmp_path: object, starter: object) -> None:

@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from localrun import api
 from localrun.errors import UsageError
 from localrun.generation import GenerationParams, LoadOptions, Request
 from localrun.store import ModelInfo
-from tests.conftest import run_cli
+from tests.conftest import run_cli, serve_command
 from tests.vision_models import VisionModel, qwen2vl, reference_greedy, test_image
 
 PROMPT = "Describe this image."
@@ -209,24 +208,12 @@ def _served_warns_once(warning: str) -> None:
     however often the model loads again (here after unloading it with keep_alive 0)."""
     import ollama
 
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--port", "0", "--ctx", "512", "--parallel", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "LOCALRUN_API_KEY": ""})
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        assert line.startswith("localrun: serving on http://127.0.0.1:"), line
-        client = ollama.Client(host=line.split("serving on ", 1)[1].split()[0], timeout=300)
+    with serve_command("--ctx", "512", "--parallel", "1") as (url, stopped):
+        client = ollama.Client(host=url, timeout=300)
         for _ in range(2):
             reply = client.generate(model="vl:tiny", prompt="Hello", keep_alive=0, options={"num_predict": 2})
             assert reply.done
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert err.count("warning") == 1 and warning in err, err
+    assert stopped.err.count("warning") == 1 and warning in stopped.err, stopped.err
 
 
 def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: list[Path], tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ import ollama
 import openai
 import pytest
 
+from tests.conftest import serve_command
+
 from .conftest import MODEL, Served, serve
 
 KEY = "sk-local-test"
@@ -118,30 +120,19 @@ def test_port_taken_is_one_line() -> None:
 
 
 def test_serve_command_serves_and_stops_on_ctrl_c() -> None:
-    proc = _serve("--port", "0", "--ctx", "256", "--parallel", "1")
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()  # printed once the socket listens
-        assert line.startswith("localrun: serving on http://127.0.0.1:"), line
-        url = line.split("serving on ", 1)[1].split()[0]
-        import httpx
+    import httpx
 
+    with serve_command("--ctx", "256", "--parallel", "1") as (url, stopped):
         with httpx.Client(base_url=url, timeout=60) as http:
             assert http.get("/api/version").status_code == 200
             assert http.get("/api/tags", headers={"host": "evil.example"}).status_code == 403
             res = http.post("/api/generate", json={"model": MODEL, "prompt": "The capital of France is", "raw": True,
                                                    "stream": False, "options": {"temperature": 0, "num_predict": 2}})
             assert res.json()["response"].startswith(" Paris")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0 and out == ""
-    lines = err.splitlines()
-    assert any(x.startswith(f"POST /api/generate {MODEL} 200 2 tokens") for x in lines), err
-    assert "Traceback" not in err
+    assert stopped.returncode == 0 and stopped.out == ""
+    lines = stopped.err.splitlines()
+    assert any(x.startswith(f"POST /api/generate {MODEL} 200 2 tokens") for x in lines), stopped.err
+    assert "Traceback" not in stopped.err
 
 
 def test_serve_warns_beyond_loopback() -> None:
