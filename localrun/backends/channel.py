@@ -86,12 +86,9 @@ class Inbox:
         threading.Thread(target=self._read, daemon=True, name="channel-inbox").start()
 
     def _read(self) -> None:
-        chan = self._chan
         try:
-            while not chan.eof:
-                chan._fill(None)
-                while chan.lines:
-                    self._q.put(json.loads(chan.lines.popleft()))
+            while (msg := self._chan.recv(None)) is not None:
+                self._q.put(msg)
         except BaseException as e:  # noqa: BLE001 - raised where the messages are taken
             self._q.put(e)
         self._q.put(self._END)

@@ -96,17 +96,16 @@ class LlamaCppBackend:
 class _Seq:
     """What the engine holds for one slot: its prompt, where its KV cache ends, its sampler."""
 
-    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "greedy", "logprobs", "grammar", "forced", "lookup",
-                 "control", "room", "history", "images")
+    __slots__ = ("tokens", "todo", "pos", "last", "sampler", "logprobs", "grammar", "forced", "lookup", "control",
+                 "room", "history", "images")
 
-    def __init__(self, tokens: list[int], keep: int, sampler: Any, greedy: bool, logprobs: int | None,
+    def __init__(self, tokens: list[int], keep: int, sampler: Any, logprobs: int | None,
                  grammar: GrammarState | None) -> None:
         self.tokens = tokens
         self.todo = keep  # next prompt token to evaluate
         self.pos = keep  # tokens in this slot's KV cache
         self.last = -1  # sampled token that the next step evaluates (-1: still in the prompt)
-        self.sampler = sampler
-        self.greedy = greedy  # the sampler chain is greedy alone: the highest logit is the token
+        self.sampler = sampler  # None: greedy alone (make_sampler)
         self.logprobs = logprobs
         self.grammar = grammar
         self.forced: list[int] = []  # tokens the next samples must be (a thinking budget's closing marker)
@@ -242,8 +241,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
         keep = image_start(tokens, keep)  # an image is evaluated whole
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
-        q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.temperature <= 0 and not params.penalized,
-                                   params.logprobs, grammar)
+        q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
         if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
             raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
                              + (f" ({self.draft_refused})" if self.draft_refused else ""),
@@ -392,7 +390,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
                 logits[keep] = value if np.isfinite(value) else 0.0
             elif g is not None and g.active:
                 g.mask_logits(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), shape=(self.n_vocab,)))
-            tok = self.sample(q.sampler, q.greedy, idx)
+            tok = self.sample(q.sampler, idx)
             if g is not None:
                 g.accept(tok)
             out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None,
@@ -405,7 +403,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
             while accepted < len(draft) and tok == draft[accepted] and not self.is_eog(tok):
                 accepted += 1
                 idx += 1
-                tok = self.sample(q.sampler, q.greedy, idx)
+                tok = self.sample(q.sampler, idx)
                 kept.append(tok)
                 out.append(Sampled(s, tok, self._logprob(idx, tok, q.logprobs) if q.logprobs is not None else None))
             if draft:
@@ -427,7 +425,8 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         q = self.seqs[slot]
         if q is None:
             return 0
-        self.ll.llama_sampler_free(q.sampler)
+        if q.sampler is not None:
+            self.ll.llama_sampler_free(q.sampler)
         if q.control is not None and q.history is not None:
             self._model_record.finished(q.control)
         self.seqs[slot] = None
