@@ -30,7 +30,7 @@ class Record:
         self.events.append(("text", rid, text))
         self.logprobs.setdefault(rid, []).extend(logprobs)
 
-    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+    def done(self, rid: Any, final: Chunk, text: str | None, logprobs: list[TokenLogprob] | None = None) -> None:
         self.events.append(("done", rid, final))
 
     def error(self, rid: Any, error: LocalrunError) -> None:
@@ -224,3 +224,22 @@ def test_a_reply_that_breaks_its_constraint_is_an_error_never_a_finished_reply(
     errors = [e for kind, r, e in rec.events if kind == "error" and r == "broken"]
     assert len(errors) == 1 and "broke its output constraint" in str(errors[0])
     assert all(engine.seqs[s] is None for s in range(engine.n_slots))
+
+
+def test_a_reply_not_streamed_comes_whole_with_each_tokens_logprob() -> None:
+    """Through the worker: a request started with stream=False is delivered as one text chunk and
+    the final one, with the streamed reply's text and the logprob of every token."""
+    session = api.load("smollm2:135m", LoadOptions(n_ctx=512, n_parallel=2))
+    params = GenerationParams(temperature=0, max_tokens=24, logprobs=2)
+    try:
+        streamed = list(session.stream(ask("Name three rivers."), params))
+        whole: list[Chunk] = []
+        ticket = session.start(ask("Name three rivers."), params, whole.append, stream=False)
+        assert ticket.wait(120)
+    finally:
+        session.close()
+    assert ticket.error is None
+    assert len(whole) == 2 and not whole[0].done and whole[1].done
+    assert whole[0].text == "".join(c.text for c in streamed if not c.done)
+    assert [lp.to_list() for lp in whole[0].logprobs] == [lp.to_list() for c in streamed for lp in c.logprobs]
+    assert len(whole[0].logprobs) == whole[1].completion_tokens == streamed[-1].completion_tokens

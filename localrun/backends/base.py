@@ -312,8 +312,10 @@ class Session(Protocol):
         """
         ...
 
-    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Ticket:
-        """Submit a request whose chunks go to `deliver` (called on the engine's reader thread).
+    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None],
+              stream: bool = True) -> Ticket:
+        """Submit a request whose chunks go to `deliver` (called on the engine's reader thread);
+        with stream False, its text comes in one chunk when it ends, before the final one.
 
         Returns:
             A Ticket: cancel(), wait(timeout) -> bool, and after the end .final (the last

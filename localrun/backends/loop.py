@@ -38,9 +38,9 @@ class Sink(Protocol):
         """New answer text and, for a thinking model, new thought ("" when there is none)."""
         ...
 
-    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+    def done(self, rid: Any, final: Chunk, text: str | None, logprobs: list[TokenLogprob] | None = None) -> None:
         """The request ended; text is the whole reply for requests submitted with stream=False
-        (its thought, if any, is final.thinking)."""
+        (its thought, if any, is final.thinking; logprobs, each of its tokens' if it asked)."""
         ...
 
     def error(self, rid: Any, error: LocalrunError) -> None: ...
@@ -416,7 +416,10 @@ class EngineLoop:
             final = dataclasses.replace(final, drafted_tokens=job.drafts[0], accepted_tokens=job.drafts[1])
         if job.images:
             final = dataclasses.replace(final, images_encoded=job.images)
-        self.sink.done(job.rid, final, None if job.stream else "".join(job.parts))
+        if job.stream:
+            self.sink.done(job.rid, final, None)
+        else:
+            self.sink.done(job.rid, final, "".join(job.parts), job.lps)
 
 
 class _Collect:
@@ -427,7 +430,7 @@ class _Collect:
     def text(self, rid: Any, text: str, logprobs: list[TokenLogprob], thinking: str = "") -> None:
         self.out.append(Chunk(text=text, thinking=thinking, logprobs=tuple(logprobs)))
 
-    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+    def done(self, rid: Any, final: Chunk, text: str | None, logprobs: list[TokenLogprob] | None = None) -> None:
         self.out.append(final)
 
     def error(self, rid: Any, error: LocalrunError) -> None:

@@ -6,6 +6,7 @@ and the worker's messages are routed to the request they belong to.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import queue
@@ -214,13 +215,17 @@ class WorkerSession:
         out = self._call("embed", list(texts))
         return Embeddings(out["vectors"], out["prompt_tokens"])
 
-    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None]) -> Ticket:
+    def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None],
+              stream: bool = True) -> Ticket:
         """Submit a request whose chunks are handed to `deliver` on the engine's reader thread as
-        they arrive (no thread of the caller wakes per token: the server's path)."""
+        they arrive (no thread of the caller wakes per token: the server's path). With stream
+        False the engine keeps the reply until it ends and sends it in one message (one text chunk,
+        then the final one): a reply nobody reads as it grows costs no message per token."""
         ticket = Ticket(self)
         rid, _ = self._open(_Delivery(deliver, ticket))  # type: ignore[arg-type]
         ticket.rid = rid
-        self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict()})
+        self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict(),
+                    "stream": stream})
         return ticket
 
     def cancel_request(self, rid: int) -> None:
@@ -405,6 +410,13 @@ class _Delivery:
             if "error" in msg:
                 t.error = error_from_wire(msg["error"])
             else:
-                t.final = Chunk.from_dict(msg["chunk"])
-                self.deliver(t.final)
+                final = Chunk.from_dict(msg["chunk"])
+                whole = msg.get("text")
+                if whole is not None:  # a reply that was not streamed: its text, as one chunk
+                    lps = msg.get("l")
+                    self.deliver(Chunk(text=whole, thinking=final.thinking,
+                                       logprobs=tuple(TokenLogprob.from_list(x) for x in lps) if lps else ()))
+                    final = dataclasses.replace(final, thinking="")
+                t.final = final
+                self.deliver(final)
         t.ended()

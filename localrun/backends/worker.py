@@ -5,7 +5,7 @@ crash becomes an EngineCrashedError and the caller keeps running.
 The worker runs the model's engine loop (loop.py); many requests are in flight at once, each
 with its own id. Protocol: one JSON object per line. Parent -> worker: {"op": "warm" | "load" | "submit" |
 "cancel" | "call" | "close", "i": id, ...}. Worker -> parent: {"i": id, "t": text, "l"?: logprobs}
-while a reply streams, then {"i": id, "chunk": final, "text"?: whole reply}; {"i": id, "ok": value}
+while a reply streams, then {"i": id, "chunk": final, "text"?: whole reply, "l"?: its logprobs}; {"i": id, "ok": value}
 for calls; {"i": id, "error": {...}}; and {"s": [prompt, completion tokens]} (totals, every
 0.25 s while a batch runs).
 """
@@ -37,12 +37,14 @@ class _PipeSink:
             msg["r"] = thinking
         self.send(msg)
 
-    def done(self, rid: Any, final: Chunk, text: str | None) -> None:
+    def done(self, rid: Any, final: Chunk, text: str | None, logprobs: list[TokenLogprob] | None = None) -> None:
         d = final.to_dict()
         d.pop("extra", None)
         msg: dict[str, Any] = {"i": rid, "chunk": d}
         if text is not None:
             msg["text"] = text
+        if logprobs:
+            msg["l"] = [lp.to_list() for lp in logprobs]
         self.send(msg)
 
     def error(self, rid: Any, error: LocalrunError) -> None:

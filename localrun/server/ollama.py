@@ -156,7 +156,7 @@ async def _answer(request: HttpRequest, body: OllamaGenerating, target: Target, 
                   key: str, plan: ToolPlan | None = None) -> Response:
     """Stream (NDJSON) or return the reply; `key` is "message" (chat) or "response" (generate)."""
     run = start_run(request, target, [Job(req, params)], body.keep_alive_seconds(),
-                    body.options.load_options(pool_of(request).options))
+                    body.options.load_options(pool_of(request).options), stream=bool(body.stream))
     await run.begin()
 
     if body.stream:

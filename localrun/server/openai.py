@@ -256,7 +256,7 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     if plan:
         params = plan.params(params)
     jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
-    run = start_run(request, target, jobs, None)
+    run = start_run(request, target, jobs, None, stream=body.stream)
     await run.begin()
     name = display_name(target.name)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
@@ -387,7 +387,7 @@ async def completions(body: CompletionRequest, request: HttpRequest) -> Response
         raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
     prompts = body.prompts()
     jobs = [Job(Request.raw(p), _seeded(params, j), k) for k, p in enumerate(prompts) for j in range(body.n)]
-    run = start_run(request, target, jobs, None)
+    run = start_run(request, target, jobs, None, stream=body.stream)
     await run.begin()
     name = display_name(target.name)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,

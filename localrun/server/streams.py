@@ -265,10 +265,11 @@ _END = object()
 
 
 def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None,
-              options: LoadOptions | None = None) -> Run:
-    """Start the jobs on the pooled model (with the target's adapters): one session.stream per
+              options: LoadOptions | None = None, stream: bool = True) -> Run:
+    """Start the jobs on the pooled model (with the target's adapters): one session.start per
     job, as parallel sequences. `options`: the client's load options (an Ollama num_ctx or
-    kv_cache_type over the server's), which choose the instance that answers."""
+    kv_cache_type over the server's), which choose the instance that answers. With stream False
+    (an answer sent whole) each job's reply comes as one text chunk when it ends."""
     pool = pool_of(request)
     if pool.event_loop is None:
         pool.event_loop = asyncio.get_running_loop()
@@ -282,7 +283,8 @@ def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive:
                     return
                 # Chunks go from the engine's reader thread straight to the event loop; this
                 # thread only holds the model until the request ends.
-                ticket = session.start(target.request(job.request), target.params(job.params, engine), emit)
+                ticket = session.start(target.request(job.request), target.params(job.params, engine), emit,
+                                       stream)
                 run.on_cancel(ticket.cancel)
                 ticket.wait()
                 if ticket.error is not None:
