@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from localrun import api
-from localrun.backends.drafting import DraftControl, DraftRecord, PromptLookup, lookup
+from localrun.backends.drafting import TRIAL_NGRAM, DraftControl, DraftRecord, PromptLookup, lookup
 from localrun.generation import GenerationParams, LoadOptions, Request
 from tests.conftest import serve_command
 
@@ -38,6 +38,17 @@ def test_the_index_drafts_what_a_search_of_the_history_finds() -> None:
             assert index.draft(n) == lookup(history, n)
     assert lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # what followed the n-gram's earlier occurrence
     assert lookup([1, 2, 3, 4], 3) == []
+
+
+def test_a_sequence_that_has_kept_no_draft_drafts_only_after_a_match_of_three_tokens() -> None:
+    """Prose repeats pairs of tokens ("of the") far more often than what followed them: the first
+    draft of a sequence needs a 3-gram match (as llama.cpp's n-gram drafter asks), later ones 2."""
+    index = PromptLookup([5, 1, 2, 7, 8, 3, 4, 9])
+    index.extend([0, 1, 2])  # "1 2" occurred before; "0 1 2" did not
+    assert index.draft(3) == [7, 8, 3]
+    assert index.draft(3, TRIAL_NGRAM) == []
+    index.extend([7, 8, 3])  # "7 8 3" did: after it came "4 9"
+    assert index.draft(3, TRIAL_NGRAM) == [4, 9, 0]
 
 
 def test_draft_length_follows_acceptance_and_drafting_stops_when_it_does_not_pay() -> None:

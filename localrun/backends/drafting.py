@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones are tried when it is not found
 NGRAM_MIN = 2
+# Until a sequence has kept a draft, lookup drafts only after a match this long (llama.cpp's n-gram
+# drafter always asks for 3): two tokens seen before ("of the", "a message") recur all through
+# prose, where what followed them once rarely follows again; a rewrite matches longer n-grams at once.
+TRIAL_NGRAM = 3
 WINDOW = 8192  # tokens of history searched (the most recent)
 EXPLORE_EVERY = 8  # while sequences draft, every 8th step drafts nothing (StepCost then sees steps of both sizes)
 MIN_GAIN = 1.2  # drafting starts only where drafts, all kept, would decode this much faster
@@ -77,11 +81,12 @@ class PromptLookup:
                     before[n] = prev
                 self._last[gram] = end
 
-    def draft(self, n_max: int) -> list[int]:
-        """As lookup(self.history, n_max)."""
+    def draft(self, n_max: int, ngram_min: int | None = None) -> list[int]:
+        """As lookup(self.history, n_max), from a match of at least ngram_min tokens (default: the
+        lookup's own minimum)."""
         if n_max <= 0:
             return []
-        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+        for n in range(self.ngram_max, max(self.ngram_min, ngram_min or 0) - 1, -1):
             prev = self._before.get(n)
             if prev is not None:
                 return self.history[prev:prev + n_max]

@@ -20,6 +20,7 @@ from typing import Any
 from localrun.backends.base import Abilities, Sampled
 from localrun.backends.drafting import (
     EXPLORE_EVERY,
+    TRIAL_NGRAM,
     DraftControl,
     DraftRecord,
     PromptLookup,
@@ -333,7 +334,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
                     fits = min(q.room - 1, self.n_ctx - q.pos - 1, spare)
                     pays = q.control.always or worth_drafting(lookup_rate, q.control.draft_max)
                     want = q.control.wanted(fits) if spare > 0 and pays else 0
-                    draft = q.lookup.draft(want) if want else []
+                    draft = q.lookup.draft(want, None if q.control.accepted else TRIAL_NGRAM) if want else []
                     spare -= len(draft)
                 else:
                     draft = from_model.get(s, [])
