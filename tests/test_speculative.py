@@ -18,7 +18,7 @@ import pytest
 from localrun import api
 from localrun.backends.drafting import TRIAL_NGRAM, DraftControl, DraftRecord, PromptLookup, lookup
 from localrun.generation import GenerationParams, LoadOptions, Request
-from tests.conftest import serve_command
+from tests.conftest import ASSETS, assets_or_skip, serve_command
 
 MODEL = "smollm2:135m"
 PASSAGE = ("The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in "
@@ -394,3 +394,47 @@ def test_a_draft_that_costs_what_the_model_costs_turns_itself_down(session: obje
     assert forced.drafted_tokens > 40 and forced.accepted_tokens < forced.drafted_tokens  # type: ignore[attr-defined]
     _, end = _reply(session, PROSE, **params)
     assert end.drafted_tokens <= 16 < forced.drafted_tokens  # type: ignore[attr-defined]
+
+
+def _tiny_mamba(folder: Path) -> Path:
+    """A random two-layer Mamba (a recurrent state, no KV cache) with Qwen3's tokenizer, converted by
+    llama.cpp's own convert_hf_to_gguf.py."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers as tf
+
+    from tests.convert.convert_helpers import converter_cache, llama_cpp_converter_dir
+
+    tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(ASSETS / "tokenizers" / "qwen3")))
+    config = tf.MambaConfig(vocab_size=(len(tok) + 7) // 8 * 8, hidden_size=64, state_size=8, num_hidden_layers=2,
+                            expand=2, conv_kernel=4, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    tf.MambaForCausalLM(config).save_pretrained(folder / "hf")
+    tok.save_pretrained(folder / "hf")
+    out = folder / "mamba-tiny-f32.gguf"
+    converter = llama_cpp_converter_dir(converter_cache())
+    proc = subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder / "hf"),
+                           "--outtype", "f32", "--outfile", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_a_model_whose_state_cannot_be_cut_decodes_without_drafts_and_says_so(cli: object, tmp_path: Path) -> None:
+    """A rejected draft is cut from the KV cache; a recurrent state cannot be cut, so drafting on a
+    Mamba model is off with a note, and the reply is the one without drafts. (Drafting there made
+    llama_decode fail as soon as a draft was rejected.)"""
+    model = str(_tiny_mamba(tmp_path))
+    # the prompt's "two two two" is followed by "three": the reply's own "two two two" drafts it, rejected
+    prompt = "two two two three four five. two two two three four five. Repeat: one two"
+    common = ("run", model, prompt, "--raw", "--json", "--temperature", "0", "--max-tokens", "40")
+    plain = cli(*common)  # type: ignore[operator]
+    drafted = cli(*common, "--draft", "lookup", "--draft-always")  # type: ignore[operator]
+    assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
+    assert "speculative decoding is off for this model: its recurrent state cannot be cut" in drafted.stderr
+    assert "speculative" not in plain.stderr
+    record = json.loads(drafted.stdout)
+    assert record["text"] == json.loads(plain.stdout)["text"]
+    assert record.get("drafted_tokens", 0) == 0

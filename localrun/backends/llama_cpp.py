@@ -181,7 +181,13 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         self._cost = StepCost()  # what this model's steps cost, to weigh drafts against
         self._drafting_steps = 0
         self._model_record = DraftRecord()  # whether the draft model's drafts paid in recent sequences
-        if options.draft:
+        # Rejected drafts are cut from the KV cache; a recurrent state (Mamba, and the hybrid models
+        # that mix it with attention) holds no positions to cut, so such a model decodes without drafts.
+        self.no_drafts: str | None = None
+        if ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model):
+            self.no_drafts = ("speculative decoding is off for this model: its recurrent state cannot be cut "
+                              "back to drop rejected drafts")
+        if options.draft and self.no_drafts is None:
             self._load_drafter(options)
         self.vision: Vision | None = None  # the projector that reads images, for a vision model
         self.vision_missing: str | None = None  # a recorded projector that is not there (runs as text)
@@ -221,6 +227,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
             "chat_template": self._template is not None,
             **({"draft_model": self.drafter.name} if self.drafter is not None else {}),
             **({"draft_refused": self.draft_refused} if self.draft_refused else {}),
+            **({"no_drafts": self.no_drafts} if self.no_drafts else {}),
             **({"mmproj": self.vision.path, "images_encoded": self.vision.encoded} if self.vision is not None else {}),
             **({"warning": warning} if (warning := self.vision_missing or (self.vision and self.vision.warning)) else {}),
         }
@@ -243,7 +250,8 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         keep = image_start(tokens, keep)  # an image is evaluated whole
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
-        if params.speculative == "model" and self.drafter is None and not self.options.draft_optional:
+        if params.speculative == "model" and self.drafter is None and not self.options.draft_optional \
+                and self.no_drafts is None:
             raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
                              + (f" ({self.draft_refused})" if self.draft_refused else ""),
                              "load one with --draft MODEL, or use --draft lookup")
@@ -251,7 +259,8 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         # for this model (draft_optional) gives no drafts, and info() says why.
         by_model = params.speculative == "model" and self.drafter is not None
         has_images = bool(tokens) and min(tokens) < 0  # drafters read tokens, not images
-        if grammar is None and not has_images and (by_model or params.speculative == "lookup"):
+        if grammar is None and not has_images and self.no_drafts is None \
+                and (by_model or params.speculative == "lookup"):
             if by_model:
                 q.history = list(tokens)  # a draft model's tokens cost a decode each: start with short drafts
             else:

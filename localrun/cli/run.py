@@ -93,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
     warning = session.info().get("warning")
     if warning:
         print(f"localrun: warning: '{name}': {warning}", file=sys.stderr)
+    if params.speculative and (off := session.info().get("no_drafts")):
+        print(f"localrun: note: '{name}': {off}", file=sys.stderr)
     if args.verbose:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
