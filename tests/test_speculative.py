@@ -376,6 +376,23 @@ def test_batch_rows_and_both_apis_report_drafts(cli: object, tmp_path: object, s
             {"role": "user", "content": REWRITE}], "options": {"temperature": 0, "num_predict": 30}}).json()
         assert chat["accepted_tokens"] > 0 and chat["drafted_tokens"] >= chat["accepted_tokens"]
 
+    with serve(LoadOptions(n_ctx=512, n_parallel=2)) as s:
+        # no serve --draft: a request drafts when it asks, by name or with true (then lookup)
+        asks = {}
+        for asked in ("lookup", True, None):
+            extra = {} if asked is None else {"speculative": asked}
+            asks[asked] = s.openai().chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=30, extra_body=extra, messages=[{"role": "user", "content": REWRITE}])
+        for asked in ("lookup", True):
+            details = asks[asked].usage.completion_tokens_details
+            assert details is not None and details.accepted_prediction_tokens > 0, asked
+            assert asks[asked].choices[0].message.content == asks[None].choices[0].message.content
+        assert asks[None].usage.completion_tokens_details is None
+        generate = s.http().post("/api/generate", json={"model": MODEL, "prompt": REWRITE, "stream": False,
+                                                        "speculative": "lookup",
+                                                        "options": {"temperature": 0, "num_predict": 30}}).json()
+        assert generate["accepted_tokens"] > 0
+
 
 def test_the_tui_status_line_shows_the_last_replys_drafts() -> None:
     from tui.widgets.chat import StatusBar
