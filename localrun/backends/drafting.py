@@ -122,6 +122,12 @@ class DraftControl:
     def __post_init__(self) -> None:
         self.size = self.size or max(self.draft_min, min(self.start, self.draft_max))
 
+    @property
+    def ngram_min(self) -> int | None:
+        """The shortest match prompt lookup may draft from now: TRIAL_NGRAM until the sequence
+        has kept a draft, then the lookup's own minimum (None)."""
+        return None if self.accepted else TRIAL_NGRAM
+
     def wanted(self, room: int) -> int:
         """How many tokens to draft now, within room (the reply's budget and the context left)."""
         if self.off:

@@ -20,7 +20,6 @@ from typing import Any
 from localrun.backends.base import Abilities, Sampled
 from localrun.backends.drafting import (
     EXPLORE_EVERY,
-    TRIAL_NGRAM,
     DraftControl,
     DraftRecord,
     PromptLookup,
@@ -250,17 +249,16 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         keep = image_start(tokens, keep)  # an image is evaluated whole
         ll.llama_memory_seq_rm(mem, slot, keep, -1)
         q = self.seqs[slot] = _Seq(tokens, keep, self.make_sampler(params, seed), params.logprobs, grammar)
-        if params.speculative == "model" and self.drafter is None and not self.options.draft_optional \
-                and self.no_drafts is None:
+        speculative = None if self.no_drafts else params.speculative  # a recurrent model drafts nothing
+        if speculative == "model" and self.drafter is None and not self.options.draft_optional:
             raise UsageError(f"no draft model is loaded with '{self.model_info.name}'"
                              + (f" ({self.draft_refused})" if self.draft_refused else ""),
                              "load one with --draft MODEL, or use --draft lookup")
         # A grammar's state follows one token at a time; a server's draft model that cannot draft
         # for this model (draft_optional) gives no drafts, and info() says why.
-        by_model = params.speculative == "model" and self.drafter is not None
+        by_model = speculative == "model" and self.drafter is not None
         has_images = bool(tokens) and min(tokens) < 0  # drafters read tokens, not images
-        if grammar is None and not has_images and self.no_drafts is None \
-                and (by_model or params.speculative == "lookup"):
+        if grammar is None and not has_images and (by_model or speculative == "lookup"):
             if by_model:
                 q.history = list(tokens)  # a draft model's tokens cost a decode each: start with short drafts
             else:
@@ -343,7 +341,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
                     fits = min(q.room - 1, self.n_ctx - q.pos - 1, spare)
                     pays = q.control.always or worth_drafting(lookup_rate, q.control.draft_max)
                     want = q.control.wanted(fits) if spare > 0 and pays else 0
-                    draft = q.lookup.draft(want, None if q.control.accepted else TRIAL_NGRAM) if want else []
+                    draft = q.lookup.draft(want, q.control.ngram_min) if want else []
                     spare -= len(draft)
                 else:
                     draft = from_model.get(s, [])

@@ -25,7 +25,6 @@ from typing import Any
 from localrun.backends.base import Sampled
 from localrun.backends.drafting import (
     EXPLORE_EVERY,
-    TRIAL_NGRAM,
     DraftControl,
     PromptLookup,
     StepCost,
@@ -203,7 +202,7 @@ class MLXDrafting:
             want = 0 if explore else q.control.wanted(min(q.room - 1, self.n_ctx - q.pos - 2))
             draft: list[int] = []
             if want and q.lookup is not None:
-                draft = q.lookup.draft(want, None if q.control.accepted else TRIAL_NGRAM)
+                draft = q.lookup.draft(want, q.control.ngram_min)
             elif want and q.history is not None and self.drafter is not None:
                 draft = self.drafter.draft(slot, q.history, want)
             if len(draft) < q.control.draft_min:
