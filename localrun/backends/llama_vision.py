@@ -25,7 +25,7 @@ from typing import Any
 from localrun.errors import BadModelFileError, EngineError, UsageError
 
 _SPAN = 1 << 20  # positions per image in the placeholder numbering
-KEEP_IMAGES = 64  # tokenized images kept for the prefill of queued requests (least recently used go)
+KEEP_IMAGES = 64  # tokenized images (a tiled one: each tile) kept for the prefill of queued requests (least recently used go)
 EMBEDDINGS_BYTES = 256 << 20  # encoded images' embeddings kept for other sequences (least recently used go)
 # The projector types llama.cpp runs on its LLaVA graph, which puts a CLIP tower's [CLS] token after the patches
 _LLAVA_GRAPH = ("mlp", "mlp_norm", "ldp", "ldpv2", "glm_edge")
@@ -107,6 +107,7 @@ class Vision:
         self.chunks: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # image key -> (owned chunk, n_pos)
         self.encoded = 0  # images encoded since load
         self.sizes: dict[int, tuple[int, int]] = {}  # image key -> (embeddings, positions), every image seen
+        self.tiles: set[int] = set()  # keys of a tiled image's chunks after its first (they count as no image)
 
     def tokenize(self, text: str, images: list[bytes], add_special: bool) -> list[int]:
         """Tokens of a prompt whose images stand at markers in text, in order, as placeholders."""
@@ -142,16 +143,25 @@ class Vision:
     def _flatten(self, chunks: Any) -> list[int]:
         mt = self.mt
         out: list[int] = []
+        # A tiled image (SmolVLM, MiniCPM-V, ...) is several chunks with its one id: the tiles and the
+        # overview. Each is keyed by its place among its image's chunks too.
+        nth: dict[bytes, int] = {}
         for c in range(mt.mtmd_input_chunks_size(chunks)):
             chunk = mt.mtmd_input_chunks_get(chunks, c)
             if mt.mtmd_input_chunk_get_type(chunk) == mt.MTMD_INPUT_CHUNK_TYPE_TEXT:
                 n = ctypes.c_size_t()
                 ptr = mt.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                out.extend(ptr[i] for i in range(n.value))
+                text = [ptr[i] for i in range(n.value)]
+                if text and min(text) < 0:  # mtmd's delimiter lookup found no such token (LLAMA_TOKEN_NULL)
+                    raise BadModelFileError(f"the vision projector '{self.path}' writes image delimiters that this "
+                                            "model's vocabulary does not have",
+                                            "use the projector made for this model (its mmproj file)")
+                out.extend(text)
                 continue
             ident = mt.mtmd_input_chunk_get_id(chunk) or b""
             n_pos = mt.mtmd_input_chunk_get_n_pos(chunk)
-            key = int(hashlib.sha256(ident + n_pos.to_bytes(4, "little")).hexdigest()[:10], 16)
+            nth[ident] = part = nth.get(ident, -1) + 1
+            key = int(hashlib.sha256(ident + n_pos.to_bytes(4, "little") + part.to_bytes(4, "little")).hexdigest()[:10], 16)
             if key in self.chunks:
                 self.chunks.move_to_end(key)
             else:
@@ -159,6 +169,8 @@ class Vision:
                 while len(self.chunks) > KEEP_IMAGES:
                     mt.mtmd_input_chunk_free(self.chunks.popitem(last=False)[1][0])
             self.sizes[key] = (mt.mtmd_input_chunk_get_n_tokens(chunk), n_pos)
+            if part:
+                self.tiles.add(key)
             out.extend(placeholder(key, i) for i in range(n_pos))
         return out
 
@@ -175,7 +187,8 @@ class Vision:
 
     def eval(self, lctx: Any, token: int, n_past: int, seq: int, n_batch: int) -> tuple[int, bool]:
         """Decode the image whose run starts with this placeholder into the sequence at n_past,
-        encoding it unless its embeddings are kept; (the positions it took, whether it was encoded)."""
+        encoding it unless its embeddings are kept; (the positions it took, whether an image was
+        encoded: of a tiled image's chunks, the first counts for the image)."""
         key, i = image_key(token)
         assert i == 0, "an image is evaluated from its start"
         found = self.chunks.get(key)
@@ -196,7 +209,8 @@ class Vision:
             size = mt.mtmd_input_chunk_get_n_tokens(chunk) * self.n_embd
             embd = (ctypes.c_float * size)()
             ctypes.memmove(embd, mt.mtmd_get_output_embd(self.ctx), ctypes.sizeof(embd))
-            self.encoded += 1
+            encoded = key not in self.tiles
+            self.encoded += encoded
             self._keep(key, embd)
         else:
             self.embeddings.move_to_end(key)

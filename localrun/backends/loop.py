@@ -165,7 +165,8 @@ class EngineLoop:
         if fmt is None:
             return None, params
         detok = self.engine.detokenizer(True)
-        tail = "".join(detok.feed(t) for t in tokens[-16:]) + detok.flush()
+        # the prompt's last text (an image's placeholders have no text: the vocabulary has no such ids)
+        tail = "".join(detok.feed(t) for t in tokens[-16:] if t >= 0) + detok.flush()
         inside = fmt.starts_inside(tail)
         if request.prompt is not None:  # raw: split only a thought the prompt or the reply opens
             return (fmt.splitter(True) if inside else fmt.raw_splitter()), params
