@@ -14,9 +14,11 @@ import base64
 import binascii
 import hashlib
 import re
+import shlex
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from localrun.errors import UsageError
 
@@ -24,6 +26,8 @@ MAX_SIDE = 16384  # pixels per side
 MAX_PIXELS = 64 * 1024 * 1024  # decoded: 192 MiB of RGB
 MAX_BYTES = 64 * 1024 * 1024  # of the file
 FORMATS = "PNG, JPEG, GIF or BMP"
+# What a file picker lists and what a pasted path is taken for: the formats llama.cpp's reader takes.
+SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S)
 
 
@@ -72,6 +76,39 @@ def read_file(path: str | Path, what: str | None = None) -> bytes:
         data = p.read_bytes()
     facts(data, name)
     return data
+
+
+def unquoted(text: str) -> str:
+    """A path as terminals and file managers paste it: quoted ('~/my cat.png'), with escaped
+    spaces (~/my\\ cat.png) or as a file:// URI, without the quoting."""
+    t = text.strip()
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        return t[1:-1]
+    if t.startswith("file://"):
+        return unquote(urlparse(t).path)
+    if "\\" in t:
+        try:
+            parts = shlex.split(t)
+        except ValueError:
+            return t
+        if len(parts) == 1:
+            return parts[0]
+    return t
+
+
+def pasted_image(text: str) -> Path | None:
+    """The image file that `text` names when the whole of it is one path to an existing file with
+    an image suffix (absolute, or from ~ or ./); None for anything else, which is sent as text."""
+    if "\n" in text.strip():
+        return None
+    raw = unquoted(text)
+    if not raw.startswith(("/", "~", "./", "../")):
+        return None
+    p = Path(raw).expanduser()
+    try:
+        return p if p.suffix.lower() in SUFFIXES and p.is_file() else None
+    except OSError:  # a name too long for the file system is text
+        return None
 
 
 def digest(data: bytes) -> str:

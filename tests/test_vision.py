@@ -239,7 +239,8 @@ def test_batch_rows_take_image_paths_and_data_uris(vl: VisionModel, pictures: li
 
 def test_interactive_chat_attaches_an_image_and_keeps_it_in_the_history(vl: VisionModel, pictures: list[Path]) -> None:
     """`/image PATH` in `localrun run`'s chat: the next message carries it, the reply is the
-    engine's for that image, and the next turn finds it in the cache (no image encoded)."""
+    engine's for that image, and the next turn finds it in the cache (no image encoded). A path
+    alone on the line, quoted as a terminal pastes a dropped file, attaches that image too."""
     from tests.test_cli import Terminal, _turn
 
     ref = reference_greedy(vl, pictures[0], PROMPT, 8)
@@ -258,6 +259,13 @@ def test_interactive_chat_attaches_an_image_and_keeps_it_in_the_history(vl: Visi
     assert ref.text.strip() in first.replace("\r\n", "\n") and "1 image encoded" in first
     second, p2, _ = _turn(term, "And the colours?")
     assert p2 > p1 and "image encoded" not in second
+    start = len(term.out)
+    term.send(f"'{pictures[1]}'\r")
+    term.expect("attached to your next message", start=start)
+    assert f"[image {pictures[1].name}: PNG 112x84, " in term.out[start:].decode()
+    term.expect(">>> ", start=start + 10)
+    third, _, _ = _turn(term, "And this one?")
+    assert "1 image encoded" in third
     term.send("\x04")
     assert term.wait() == 0
 

@@ -259,6 +259,9 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         text = line.strip()
         if not text:
             continue
+        pasted = imagefiles.pasted_image(text)  # a line that is one image file's path (dropped or pasted) attaches it
+        if pasted is not None:
+            text = f"/image {pasted}"
         if text.startswith("/"):
             cmd, _, rest = text.partition(" ")
             if cmd in ("/bye", "/exit", "/quit"):
@@ -270,17 +273,18 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
                 system = rest or None
                 print(f"(system prompt {'set' if system else 'cleared'})", file=err)
             elif cmd == "/image":
+                path = imagefiles.unquoted(rest)
                 try:
-                    data = imagefiles.read_file(rest.strip().strip("'\""))
+                    data = imagefiles.read_file(path)
                 except UsageError as e:
                     print(f"localrun: {e}", file=err)
                     continue
                 pending.append(data)
-                print(f"[image {Path(rest.strip()).name}: {imagefiles.describe(data)}] attached to your next message",
+                print(f"[image {Path(path).name}: {imagefiles.describe(data)}] attached to your next message",
                       file=err)
             else:
-                print("/clear forgets the conversation, /system TEXT sets the system prompt, /image PATH attaches "
-                      "an image to your next message, /bye leaves", file=err)
+                print("/clear forgets the conversation, /system TEXT sets the system prompt, /image PATH (or the "
+                      "path alone, pasted or dropped) attaches an image to your next message, /bye leaves", file=err)
             continue
         try:
             request = dataclasses.replace(prepare(api.build_messages(text, system, history, pending)), think=think)

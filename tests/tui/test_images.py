@@ -19,11 +19,11 @@ from textual import events
 
 from localrun import api
 from localrun.generation import GenerationParams
-from localrun.images import describe
+from localrun.images import describe, pasted_image, unquoted
 from tests.tui.helpers import wait_for
 from tests.tui.test_flows import SIZE, ask, chat
 from tests.vision_models import qwen2vl, test_image
-from tui.attachments import Attachment, pasted_image, unquoted
+from tui.attachments import Attachment
 from tui.conversations import ConversationStore
 from tui.screens.chat import ChatScreen
 from tui.screens.image_picker import ImagePickerScreen

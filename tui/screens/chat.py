@@ -16,6 +16,7 @@ from textual.widgets import Footer, Input, Static
 from textual.widgets.markdown import MarkdownStream
 
 from localrun.errors import LocalrunError
+from localrun.images import pasted_image, unquoted
 from tui import attachments
 from tui.attachments import Attachment
 from tui.conversations import Conversation
@@ -117,7 +118,7 @@ class ChatScreen(ChatReplies):
         if self.conversation is None:
             return
         command, _, rest = text.partition(" ")
-        path = attachments.unquoted(rest) if command == "/image" else attachments.pasted_image(text)
+        path = unquoted(rest) if command == "/image" else pasted_image(text)
         if command == "/image" and not path:
             event.input.value = ""
             self.action_attach()

@@ -12,7 +12,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DirectoryTree, Static
 
-from tui.attachments import SUFFIXES
+from localrun.images import SUFFIXES
 
 
 class ImageTree(DirectoryTree):

@@ -11,7 +11,8 @@ from textual import events
 from textual.message import Message
 from textual.widgets import Collapsible, Input, Markdown, Static
 
-from tui.attachments import Attachment, pasted_image
+from localrun.images import pasted_image
+from tui.attachments import Attachment
 from tui.conversations import thought_title
 from tui.widgets.attachments import ImageChips
 
