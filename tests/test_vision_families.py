@@ -396,6 +396,25 @@ def test_a_tiled_image_counts_once_and_the_next_turn_encodes_none_of_its_tiles(f
     assert ours_session_turns(family) == (1, 0)
 
 
+@pytest.mark.parametrize("family", ["smolvlm"], indirect=True)
+def test_a_request_with_more_tiles_than_images_kept_is_answered(family: Family, tmp_path: Path) -> None:
+    """13 different tiled images in one message are 65 chunks, more than the 64 images the engine
+    keeps tokenized until their prefill: it keeps images, each with all its tiles."""
+    from localrun.backends.llama_vision import KEEP_IMAGES
+
+    pictures = [test_image(tmp_path / f"{seed}.png", 2 * TILE, 2 * TILE, seed=seed).read_bytes() for seed in range(13)]
+    assert 5 * len(pictures) > KEEP_IMAGES
+    assert family.f32.mmproj is not None
+    session = api.load(api.get_model(str(family.f32.path)),
+                       LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(family.f32.mmproj.path)))
+    try:
+        chunks = list(api.stream(session, Request.chat([{"role": "user", "content": PROMPT, "images": pictures}]),
+                                 GenerationParams(temperature=0, max_tokens=2)))
+        assert chunks[-1].images_encoded == 13
+    finally:
+        session.close()
+
+
 def ours_session_turns(family: Family) -> tuple[int, int]:
     """Images encoded by a conversation's first turn and by its second."""
     assert family.f32.mmproj is not None

@@ -25,7 +25,7 @@ from typing import Any
 from localrun.errors import BadModelFileError, EngineError, UsageError
 
 _SPAN = 1 << 20  # positions per image in the placeholder numbering
-KEEP_IMAGES = 64  # tokenized images (a tiled one: each tile) kept for the prefill of queued requests (least recently used go)
+KEEP_IMAGES = 64  # tokenized images (a tiled one with all its tiles) kept for the prefill of queued requests (least recently used go)
 EMBEDDINGS_BYTES = 256 << 20  # encoded images' embeddings kept for other sequences (least recently used go)
 # The projector types llama.cpp runs on its LLaVA graph, which puts a CLIP tower's [CLS] token after the patches
 _LLAVA_GRAPH = ("mlp", "mlp_norm", "ldp", "ldpv2", "glm_edge")
@@ -162,17 +162,25 @@ class Vision:
             n_pos = mt.mtmd_input_chunk_get_n_pos(chunk)
             nth[ident] = part = nth.get(ident, -1) + 1
             key = int(hashlib.sha256(ident + n_pos.to_bytes(4, "little") + part.to_bytes(4, "little")).hexdigest()[:10], 16)
+            if part:
+                self.tiles.add(key)
             if key in self.chunks:
                 self.chunks.move_to_end(key)
             else:
                 self.chunks[key] = (mt.mtmd_input_chunk_copy(chunk), n_pos)
-                while len(self.chunks) > KEEP_IMAGES:
-                    mt.mtmd_input_chunk_free(self.chunks.popitem(last=False)[1][0])
+                self._evict()
             self.sizes[key] = (mt.mtmd_input_chunk_get_n_tokens(chunk), n_pos)
-            if part:
-                self.tiles.add(key)
             out.extend(placeholder(key, i) for i in range(n_pos))
         return out
+
+    def _evict(self) -> None:
+        """Free the least recently used tokenized images beyond KEEP_IMAGES: a tiled image's chunks
+        count as one image (SmolVLM's can be 17: four such images would pass a count of chunks)."""
+        images = sum(key not in self.tiles for key in self.chunks)
+        while images > KEEP_IMAGES:
+            key, (chunk, _) = self.chunks.popitem(last=False)
+            self.mt.mtmd_input_chunk_free(chunk)
+            images -= key not in self.tiles
 
     def cells(self, tokens: list[int]) -> int:
         """KV cells these tokens fill: each image's embeddings in place of its placeholders."""
