@@ -20,8 +20,6 @@ delimiters included), each image run replaced by the model's image token once pe
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,26 +30,18 @@ import pytest
 import convert
 from localrun import api
 from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
-from tests.convert.convert_helpers import need_asset
 from tests.vision_models import (
-    IMAGE_MEAN,
-    IMAGE_STD,
-    MAX_PIXELS,
-    MIN_PIXELS,
-    clear_margins,
+    FAMILIES,
+    IDEFICS3_TOKENS,
+    TILE,
+    idefics3_checkpoint,
     test_image,
+    token_bytes,
 )
 
 PROMPT = "Describe this image."
 TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # the image, then the text
 N = 8  # greedy tokens compared
-
-# Gemma 3 and SmolVLM: the Llama 2 vocabulary with their image tokens after it
-GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-# (and "\n\n", one token in SmolVLM's vocabulary, which mtmd puts before the overview)
-IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>",
-                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)), "\n\n"]
-TILE = 56  # Gemma 3's and SmolVLM's SigLIP input side (4x4 patches of 14)
 
 
 @dataclass(frozen=True)
@@ -69,129 +59,12 @@ class Family:
     f16: convert.Result
 
 
-def _spm_with(folder: Path, tokens: list[str]) -> None:
-    """The Llama 2 SentencePiece tokenizer with tokens added after its 32000 (special)."""
-    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "added_tokens_decoder": {str(32000 + i): {"content": t, "special": t.startswith("<")}
-                                 for i, t in enumerate(tokens)}}))
-
-
-def _qwen25vl(folder: Path) -> tuple[Any, int]:
-    import torch
-    import transformers as tf
-
-    from tests.vision_models import _image_processor
-
-    tok = tf.AutoTokenizer.from_pretrained(str(need_asset("tokenizers", "qwen3")))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
-    config = tf.Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
-        },
-        # windows of 4x4 merged tokens (112 pixels, the published size, which llama.cpp assumes),
-        # full attention in every second block
-        vision_config={
-            "depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-            "fullatt_block_indexes": [1, 3], "in_channels": 3,
-        },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = tf.Qwen2_5_VLForConditionalGeneration(config)
-    clear_margins(model, seed=7)
-    model.eval().save_pretrained(folder)
-    tok.save_pretrained(folder)
-    _image_processor()(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
-                       temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD).save_pretrained(folder)
-    return model, ids["<|image_pad|>"]
-
-
-def _gemma3(folder: Path) -> tuple[Any, int]:
-    import torch
-    import transformers as tf
-
-    boi, eoi, soft = (32000 + i for i in range(3))
-    config = tf.Gemma3Config(
-        text_config={
-            "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
-            "max_position_embeddings": 4096, "sliding_window": 8,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
-            "image_size": TILE, "patch_size": 14, "num_channels": 3, "vision_use_head": False,
-        },
-        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
-    )
-    torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(config)
-    clear_margins(model, seed=7)
-    with torch.no_grad():  # tied, and scaled by sqrt(64) on the way in: unit-scale there, not in the output
-        model.get_input_embeddings().weight.mul_(1 / 8)
-    model.eval().save_pretrained(folder)
-    _spm_with(folder, GEMMA3_TOKENS)
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_seq_length": 4}))
-    return model, soft
-
-
-def _idefics3(folder: Path, tokens: list[str] = IDEFICS3_TOKENS) -> tuple[Any, int]:
-    import torch
-    import transformers as tf
-
-    image = 32000 + tokens.index("<image>")
-    config = tf.Idefics3Config(
-        text_config={
-            "model_type": "llama", "vocab_size": 32000 + len(tokens), "hidden_size": 64,
-            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "tie_word_embeddings": False,
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
-            "image_size": TILE, "patch_size": 14, "num_channels": 3,
-        },
-        scale_factor=2, image_token_id=image, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = tf.Idefics3ForConditionalGeneration(config)
-    clear_margins(model, seed=7)
-    model.eval().save_pretrained(folder)
-    path = folder / "config.json"
-    saved = json.loads(path.read_text())
-    saved["text_config"]["architectures"] = ["LlamaForCausalLM"]
-    path.write_text(json.dumps(saved))
-    _spm_with(folder, tokens)
-    # the whole image at most 2 tiles a side: a 112x112 image is 2x2 tiles and the overview
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": {"longest_edge": 2 * TILE},
-         "max_image_size": {"longest_edge": TILE}}))
-    return model, image
-
-
-# Qwen2.5-VL's 168x84: 6x3 merged tokens in two windows, 4x3 and 2x3
-BUILD = {"qwen2.5-vl": (_qwen25vl, (168, 84)), "gemma3": (_gemma3, (TILE, TILE)), "smolvlm": (_idefics3, (2 * TILE, 2 * TILE))}
-
-
-@pytest.fixture(scope="module", params=list(BUILD))
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     import transformers as tf
 
     name = request.param
-    build, (width, height) = BUILD[name]
+    build, (width, height) = FAMILIES[name]
     root = tmp_path_factory.mktemp(name)
     hf = root / name
     hf.mkdir()
@@ -338,19 +211,6 @@ def hf_greedy(fam: Family, input_ids: Any, args: dict[str, Any], n: int) -> tupl
     return first, tokens
 
 
-def token_bytes(tok: Any, token: int) -> bytes:
-    """A token's bytes as the vocabulary holds them (SentencePiece or byte-level BPE)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    piece = tok.convert_ids_to_tokens(token)
-    if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
-        return bytes([int(piece[3:5], 16)])
-    if "\u2581" in piece or tok.convert_tokens_to_ids("\u2581") != tok.unk_token_id:  # SentencePiece
-        return piece.replace("\u2581", " ").encode()
-    decoder = {c: b for b, c in bytes_to_unicode().items()}
-    return bytes(decoder[c] for c in piece)
-
-
 def test_image_embeddings_first_log_probs_and_greedy_replies_agree_with_transformers(family: Family,
                                                                                      tmp_path: Path) -> None:
     """F32: each image run's embeddings within 1e-3 of transformers' (SmolVLM: each tile and the
@@ -374,7 +234,7 @@ def test_image_embeddings_first_log_probs_and_greedy_replies_agree_with_transfor
     print(family.name, "first token's top-5 log-probabilities: largest difference", diff)
     assert diff < 0.05
     assert eng.reply == [token_bytes(family.tok, t) for t in tokens]
-    width, height = BUILD[family.name][1]
+    width, height = FAMILIES[family.name][1]
     other = engine_side(family.f32, test_image(tmp_path / "other.png", width, height, seed=4), embeddings=False)
     assert other.reply != eng.reply
 
@@ -459,7 +319,7 @@ def test_a_projector_whose_delimiters_the_vocabulary_lacks_fails_its_request_by_
 
     hf = tmp_path / "smolvlm"
     hf.mkdir()
-    _idefics3(hf, IDEFICS3_TOKENS[:-1])
+    idefics3_checkpoint(hf, IDEFICS3_TOKENS[:-1])
     ours = convert.convert(hf, tmp_path / "m.gguf", outtype="f16")
     assert ours.mmproj is not None
     session = api.load(api.get_model(str(ours.path)), LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(ours.mmproj.path)))

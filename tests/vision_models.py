@@ -259,6 +259,168 @@ def reference_image_embeddings(model: VisionModel, image: Path) -> Any:
     return embeddings.float().numpy()
 
 
+# --- Qwen2.5-VL, Gemma 3 and SmolVLM (tests/test_vision_families.py, tests/mlx/test_mlx_vision.py) ---
+
+# Gemma 3 and SmolVLM: the Llama 2 vocabulary with their image tokens after it
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# (and "\n\n", one token in SmolVLM's vocabulary, which mtmd puts before the overview)
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)), "\n\n"]
+TILE = 56  # Gemma 3's and SmolVLM's SigLIP input side (4x4 patches of 14)
+
+
+def _spm_with(folder: Path, tokens: list[str], **config: Any) -> None:
+    """The Llama 2 SentencePiece tokenizer with tokens added after its 32000 (those in <> special),
+    and more tokenizer_config.json settings."""
+    from tests.convert.convert_helpers import need_asset
+
+    shutil.copy(need_asset("tokenizers", "llama2-spm", "tokenizer.model"), folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "added_tokens_decoder": {str(32000 + i): {"content": t, "special": t.startswith("<")}
+                                 for i, t in enumerate(tokens)}, **config}))
+
+
+def qwen25vl_checkpoint(folder: Path) -> tuple[Any, int]:
+    """A tiny random Qwen2.5-VL with Qwen3's tokenizer and chat template (a thinking one, as
+    Qwen3-VL's; Qwen2.5-VL's own is CHAT_TEMPLATE) and Qwen2-VL's image processor. Returns the
+    model and its image token."""
+    import torch
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(TOKENIZER)))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    config = tf.Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+        },
+        # windows of 4x4 merged tokens (112 pixels, the published size, which llama.cpp assumes),
+        # full attention in every second block
+        vision_config={
+            "depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+            "fullatt_block_indexes": [1, 3], "in_channels": 3,
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = tf.Qwen2_5_VLForConditionalGeneration(config)
+    clear_margins(model, seed=7)
+    model.eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    _image_processor()(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
+                       temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD).save_pretrained(folder)
+    return model, ids["<|image_pad|>"]
+
+
+def gemma3_checkpoint(folder: Path) -> tuple[Any, int]:
+    """A tiny random Gemma 3 (SigLIP at 56x56 pooled to 2x2 image tokens) in the published layout
+    (the vision tower's tensors under vision_model, as transformers 4 saved them), with Gemma 3's
+    processor settings. Returns the model and its image token."""
+    import torch
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+
+    boi, eoi, soft = (32000 + i for i in range(3))
+    config = tf.Gemma3Config(
+        text_config={
+            "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+            "max_position_embeddings": 4096, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        },
+        vision_config={
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "image_size": TILE, "patch_size": 14, "num_channels": 3, "vision_use_head": False,
+        },
+        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+    )
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config)
+    clear_margins(model, seed=7)
+    with torch.no_grad():  # tied, and scaled by sqrt(64) on the way in: unit-scale there, not in the output
+        model.get_input_embeddings().weight.mul_(1 / 8)
+    model.eval().save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tower = "vision_tower."
+    save_file({f"{tower}vision_model.{k[len(tower):]}" if k.startswith(tower) else k: v for k, v in tensors.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    _spm_with(folder, GEMMA3_TOKENS, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+         "size": {"height": TILE, "width": TILE}, "image_seq_length": 4}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma3Processor", "image_seq_length": 4}))
+    return model, soft
+
+
+def idefics3_checkpoint(folder: Path, tokens: list[str] = IDEFICS3_TOKENS) -> tuple[Any, int]:
+    """A tiny random Idefics3 / SmolVLM (a Llama text model; SigLIP tiles of 56x56, 4 image tokens
+    each after the pixel shuffle), with SmolVLM's processor settings: an image up to 2 tiles a side,
+    cut into tiles plus the whole image shrunk to one. Returns the model and its image token."""
+    import torch
+    import transformers as tf
+
+    image = 32000 + tokens.index("<image>")
+    config = tf.Idefics3Config(
+        text_config={
+            "model_type": "llama", "vocab_size": 32000 + len(tokens), "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "tie_word_embeddings": False,
+        },
+        vision_config={
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "image_size": TILE, "patch_size": 14, "num_channels": 3,
+        },
+        scale_factor=2, image_token_id=image, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = tf.Idefics3ForConditionalGeneration(config)
+    clear_margins(model, seed=7)
+    model.eval().save_pretrained(folder)
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    saved["text_config"]["architectures"] = ["LlamaForCausalLM"]
+    path.write_text(json.dumps(saved))
+    _spm_with(folder, tokens)
+    # the whole image at most 2 tiles a side: a 112x112 image is 2x2 tiles and the overview
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Idefics3ImageProcessor", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+         "size": {"longest_edge": 2 * TILE}, "max_image_size": {"longest_edge": TILE}}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Idefics3Processor", "image_seq_len": 4}))
+    return model, image
+
+
+# Qwen2.5-VL's 168x84: 6x3 merged tokens in two windows, 4x3 and 2x3
+FAMILIES = {"qwen2.5-vl": (qwen25vl_checkpoint, (168, 84)), "gemma3": (gemma3_checkpoint, (TILE, TILE)),
+            "smolvlm": (idefics3_checkpoint, (2 * TILE, 2 * TILE))}
+
+
+def token_bytes(tok: Any, token: int) -> bytes:
+    """A token's bytes as the vocabulary holds them (SentencePiece or byte-level BPE)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    piece = tok.convert_ids_to_tokens(token)
+    if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+        return bytes([int(piece[3:5], 16)])
+    if "\u2581" in piece or tok.convert_tokens_to_ids("\u2581") != tok.unk_token_id:  # SentencePiece
+        return piece.replace("\u2581", " ").encode()
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(decoder[c] for c in piece)
+
+
 # --- building ---------------------------------------------------------------------------------
 
 

@@ -127,6 +127,16 @@ def vlm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     text = out.get("text_config")
     if isinstance(text, dict):
         text.update(rope_keys(text))
+        if family == "gemma3":  # settings mlx-vlm's Gemma 3 reads where transformers does not write them
+            if "mm_tokens_per_image" in out and "mm_tokens_per_image" not in text:
+                text["mm_tokens_per_image"] = out["mm_tokens_per_image"]
+            if "hidden_size" not in out and isinstance(text.get("hidden_size"), int):
+                # it divides the image features by the root of this (default 2048), and the text
+                # model multiplies every input by the root of its own width: unchanged only when equal
+                out["hidden_size"] = text["hidden_size"]
+            pattern = _sliding_pattern(text.get("layer_types"))
+            if pattern is not None and "sliding_window_pattern" not in text:
+                text["sliding_window_pattern"] = pattern
         probe = copy.deepcopy(out)
         try:
             module.ModelConfig.from_dict(probe)
@@ -141,6 +151,16 @@ def vlm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(vision, dict) and vision.get("model_type") == f"{family}_vision" and default == family:
         vision["model_type"] = family
     return out
+
+
+def _sliding_pattern(layer_types: Any) -> int | None:
+    """Gemma 3's sliding_window_pattern (every n-th layer attends fully), which mlx-vlm reads, from
+    the layer_types transformers 5 saves instead; None when they follow no such pattern."""
+    if not isinstance(layer_types, list) or "full_attention" not in layer_types:
+        return None
+    n = layer_types.index("full_attention") + 1
+    want = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(len(layer_types))]
+    return n if layer_types == want else None
 
 
 @contextmanager

@@ -324,3 +324,82 @@ def test_llava15_replies_as_transformers_does(tmp_path_factory: pytest.TempPathF
     finally:
         s.close()
     assert replies[0] != replies[1]  # the reply depends on the image
+
+
+# each image where the user turn's content puts it, written as the family's processor reads it
+PART_TEMPLATE = ("{% for message in messages %}{% for part in message['content'] %}"
+                 "{% if part['type'] == 'image' %}IMAGE{% else %}{{ part['text'] }}{% endif %}"
+                 "{% endfor %}{% endfor %}")
+FAMILY_TEMPLATES = {"qwen2.5-vl": PART_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"),
+                    "gemma3": PART_TEMPLATE.replace("IMAGE", "<start_of_image>"),
+                    "smolvlm": PART_TEMPLATE.replace("IMAGE", "<image>")}
+
+
+def _family_reference(name: str, hf: Path, model: Any, template: str, picture: Path, n: int) -> tuple[list[bytes], int]:
+    """transformers' greedy reply (each token's bytes) to one user turn [image, PROMPT] rendered with
+    template, through the family's own processor; and the prompt's length."""
+    import torch
+    import transformers as tf
+    from PIL import Image
+
+    from tests.vision_models import IMAGE_PAD, _image_processor, token_bytes
+
+    tok = tf.AutoTokenizer.from_pretrained(str(hf))
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    rendered = tok.apply_chat_template(turn, chat_template=template, tokenize=False, add_generation_prompt=True)
+    with Image.open(picture) as file:
+        rgb = file.convert("RGB")
+    if name == "qwen2.5-vl":  # Qwen2_5_VLProcessor insists on a video processor (torchvision): its image half
+        batch = _image_processor().from_pretrained(str(hf))(images=[rgb], return_tensors="pt")
+        count = int(batch["image_grid_thw"][0].prod()) // 4
+        pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        ids = [t for token in tok(rendered, add_special_tokens=False)["input_ids"]
+               for t in ([token] * count if token == pad else [token])]
+        inputs = {"input_ids": torch.tensor([ids]), "pixel_values": batch["pixel_values"],
+                  "image_grid_thw": batch["image_grid_thw"], "mm_token_type_ids": (torch.tensor([ids]) == pad).long()}
+    else:
+        # transformers' class itself: mlx-vlm, once imported, answers AutoProcessor with its own port
+        processor = (tf.Gemma3Processor if name == "gemma3" else tf.Idefics3Processor).from_pretrained(str(hf))
+        inputs = dict(processor(images=[rgb], text=rendered, return_tensors="pt"))
+        # Without token_type_ids transformers' Gemma 3 lets image tokens attend only backwards, as
+        # mlx-vlm's does (with them, both ways, as llama.cpp's: tests/test_vision_families.py)
+        inputs.pop("token_type_ids", None)
+    prompt = inputs["input_ids"]
+    inputs.setdefault("attention_mask", torch.ones_like(prompt))
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    return [token_bytes(tok, int(t)) for t in out[0, prompt.shape[1]:]], prompt.shape[1]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "gemma3", "smolvlm"])
+def test_qwen25vl_gemma3_and_smolvlm_reply_as_transformers_does(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The tiny Qwen2.5-VL, Gemma 3 (published layout) and SmolVLM of tests/vision_models.py through
+    mlx-vlm in the engine loop: transformers' greedy reply through the family's own processor, token
+    for token, with the prompt's tokens counted (SmolVLM's 112x112 image: 2x2 tiles and the
+    overview); another image, another reply. mlx-vlm reads Gemma 3's settings where transformers 5
+    does not write them (mm_tokens_per_image, sliding_window_pattern, and the width by whose root it
+    divides the image features): the engine's config view writes them there. mlx-vlm's Gemma 3 lets image tokens attend only backwards: the reference is
+    transformers' so computed."""
+    from tests.vision_models import FAMILIES
+
+    build, (width, height) = FAMILIES[name]
+    root = tmp_path_factory.mktemp(name)
+    hf = root / name
+    hf.mkdir()
+    model, _ = build(hf)
+    template = FAMILY_TEMPLATES[name]  # (the Qwen2.5-VL checkpoint carries Qwen3's, which reads no image parts)
+    s = api.load(api.get_model(str(mlx_vlm_folder(hf))), LoadOptions(n_ctx=1024, n_parallel=1), engine="mlx")
+    replies = []
+    try:
+        for seed in (3, 4):
+            picture = test_image(root / f"image{seed}.png", width, height, seed=seed)
+            request = Request(**{**Request.chat([user(PROMPT, picture)]).__dict__, "template": template})
+            chunks = list(api.stream(s, request, GenerationParams(temperature=0, max_tokens=8, logprobs=0)))
+            got = [bytes(lp.bytes) for c in chunks for lp in c.logprobs]
+            want, prompt_tokens = _family_reference(name, hf, model, template, picture, 8)
+            assert got == want, seed
+            assert chunks[-1].prompt_tokens == prompt_tokens and chunks[-1].images_encoded == 1
+            replies.append(got)
+    finally:
+        s.close()
+    assert replies[0] != replies[1]
