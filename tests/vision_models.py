@@ -319,18 +319,14 @@ def qwen25vl_checkpoint(folder: Path) -> tuple[Any, int]:
     return model, ids["<|image_pad|>"]
 
 
-def gemma3_checkpoint(folder: Path) -> tuple[Any, int]:
-    """A tiny random Gemma 3 (SigLIP at 56x56 pooled to 2x2 image tokens) in the published layout
-    (the vision tower's tensors under vision_model, as transformers 4 saved them), with Gemma 3's
-    processor settings. Returns the model and its image token."""
-    import torch
+def gemma3_config(vocab_size: int, boi: int, eoi: int, image: int) -> Any:
+    """A tiny Gemma 3's config: 2 text layers (one sliding-window, window 8), SigLIP at 56x56 in
+    4x4 patches pooled to 2x2 image tokens; the image delimiters and token as given."""
     import transformers as tf
-    from safetensors.numpy import load_file, save_file
 
-    boi, eoi, soft = (32000 + i for i in range(3))
-    config = tf.Gemma3Config(
+    return tf.Gemma3Config(
         text_config={
-            "vocab_size": 32003, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
             "max_position_embeddings": 4096, "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"],
@@ -342,10 +338,21 @@ def gemma3_checkpoint(folder: Path) -> tuple[Any, int]:
             "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
             "image_size": TILE, "patch_size": 14, "num_channels": 3, "vision_use_head": False,
         },
-        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
     )
+
+
+def gemma3_checkpoint(folder: Path) -> tuple[Any, int]:
+    """A tiny random Gemma 3 (SigLIP at 56x56 pooled to 2x2 image tokens) in the published layout
+    (the vision tower's tensors under vision_model, as transformers 4 saved them), with Gemma 3's
+    processor settings. Returns the model and its image token."""
+    import torch
+    import transformers as tf
+    from safetensors.numpy import load_file, save_file
+
+    boi, eoi, soft = (32000 + i for i in range(3))
     torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(config)
+    model = tf.Gemma3ForConditionalGeneration(gemma3_config(32003, boi, eoi, soft))
     clear_margins(model, seed=7)
     with torch.no_grad():  # tied, and scaled by sqrt(64) on the way in: unit-scale there, not in the output
         model.get_input_embeddings().weight.mul_(1 / 8)

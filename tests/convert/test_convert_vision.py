@@ -48,6 +48,7 @@ from tests.vision_models import (
     CLIP_SIDE,
     CLIP_STD,
     clear_margins,
+    gemma3_config,
     llava15_checkpoint,
     qwen2vl,
     test_image,
@@ -248,24 +249,8 @@ def _gemma3(folder: Path) -> Path:
     import torch
     import transformers as tf
 
-    config = tf.Gemma3Config(
-        text_config={
-            "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
-            "max_position_embeddings": 4096, "sliding_window": 8,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
-            "image_size": 56, "patch_size": 14, "num_channels": 3, "vision_use_head": False,
-        },
-        mm_tokens_per_image=4, boi_token_index=3, eoi_token_index=4, image_token_index=5,
-    )
     torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(config)
+    model = tf.Gemma3ForConditionalGeneration(gemma3_config(32000, boi=3, eoi=4, image=5))
     with torch.no_grad():  # not the initial ones: a norm left out or not shifted by 1 would show
         model.model.multi_modal_projector.mm_soft_emb_norm.weight.uniform_(-0.5, 0.5)
     model.save_pretrained(folder)
