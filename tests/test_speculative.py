@@ -416,13 +416,14 @@ def test_a_draft_that_costs_what_the_model_costs_turns_itself_down(session: obje
 def _tiny_mamba(folder: Path) -> Path:
     """A random two-layer Mamba (a recurrent state, no KV cache) with Qwen3's tokenizer, converted by
     llama.cpp's own convert_hf_to_gguf.py."""
-    import subprocess
-    import sys
-
     import torch
     import transformers as tf
 
-    from tests.convert.convert_helpers import converter_cache, llama_cpp_converter_dir
+    from tests.convert.convert_helpers import (
+        convert_reference,
+        converter_cache,
+        llama_cpp_converter_dir,
+    )
 
     tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(ASSETS / "tokenizers" / "qwen3")))
     config = tf.MambaConfig(vocab_size=(len(tok) + 7) // 8 * 8, hidden_size=64, state_size=8, num_hidden_layers=2,
@@ -431,12 +432,8 @@ def _tiny_mamba(folder: Path) -> Path:
     torch.manual_seed(0)
     tf.MambaForCausalLM(config).save_pretrained(folder / "hf")
     tok.save_pretrained(folder / "hf")
-    out = folder / "mamba-tiny-f32.gguf"
-    converter = llama_cpp_converter_dir(converter_cache())
-    proc = subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder / "hf"),
-                           "--outtype", "f32", "--outfile", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return convert_reference(llama_cpp_converter_dir(converter_cache()), folder / "hf", folder / "mamba-tiny-f32.gguf",
+                             "f32")
 
 
 def test_a_model_whose_state_cannot_be_cut_decodes_without_drafts_and_says_so(cli: object, tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ delimiters included), each image run replaced by the model's image token once pe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,24 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 # --- the engine's side ----------------------------------------------------------------------------
 
 
+@contextmanager
+def session_of(ours: convert.Result) -> Iterator[Any]:
+    """Our converted pair loaded in an engine process (one sequence), closed after."""
+    assert ours.mmproj is not None
+    session = api.load(api.get_model(str(ours.path)), LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(ours.mmproj.path)))
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def ask(session: Any, images: list[bytes], text: str = PROMPT, max_tokens: int = 4,
+        history: tuple[dict[str, Any], ...] = ()) -> list[Any]:
+    """The chunks of a greedy reply to one user turn [images, text] after history."""
+    turn = {"role": "user", "content": text, "images": images}
+    return list(api.stream(session, Request.chat([*history, turn]), GenerationParams(temperature=0, max_tokens=max_tokens)))
+
+
 @dataclass
 class EngineSide:
     prompt: list[int | tuple[int, int]]  # text tokens, and (image key, embeddings) for each image run
@@ -117,7 +137,7 @@ def engine_side(ours: convert.Result, image: Path, embeddings: bool = True) -> E
                 if embeddings:
                     assert vision.mt.mtmd_encode_chunk(vision.ctx, chunk) == 0
                     out = vision.mt.mtmd_get_output_embd(vision.ctx)
-                    found.append(np.ctypeslib.as_array(out, shape=(n, engine.info()["n_embd"])).copy())
+                    found.append(np.ctypeslib.as_array(out, shape=(n, vision.n_embd)).copy())
         rec = Record()
         loop = EngineLoop(engine, rec)
         loop.submit("x", request, GenerationParams(temperature=0, max_tokens=N, logprobs=5))
@@ -154,14 +174,12 @@ def hf_inputs(fam: Family, eng: EngineSide) -> tuple[Any, dict[str, Any]]:
         ids.extend([fam.image_token] * item[1] if isinstance(item, tuple) else [item])
     input_ids = torch.tensor([ids])
     mask = (input_ids == fam.image_token).long()
-    runs = sum(isinstance(item, tuple) for item in eng.prompt)
-    rgb = _rgb(fam.image)
     if fam.name == "qwen2.5-vl":
-        from tests.vision_models import _image_processor
+        from tests.vision_models import _image_processor, _pixels
 
-        batch = _image_processor().from_pretrained(str(fam.hf))(images=[rgb], return_tensors="pt")
-        return input_ids, {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
-                           "mm_token_type_ids": mask}
+        pixels, grid, _ = _pixels(_image_processor().from_pretrained(str(fam.hf)), fam.image)
+        return input_ids, {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": mask}
+    rgb = _rgb(fam.image)
     if fam.name == "gemma3":
         return input_ids, {"pixel_values": _normalized(rgb)[None], "token_type_ids": mask}
     # SmolVLM: mtmd's order, the tiles row by row, then the overview (Lanczos, as both sides shrink it)
@@ -169,6 +187,7 @@ def hf_inputs(fam: Family, eng: EngineSide) -> tuple[Any, dict[str, Any]]:
 
     tiles = [rgb.crop((x, y, x + TILE, y + TILE)) for y in range(0, rgb.height, TILE) for x in range(0, rgb.width, TILE)]
     frames = [*tiles, rgb.resize((TILE, TILE), Image.Resampling.LANCZOS)]
+    runs = sum(isinstance(item, tuple) for item in eng.prompt)
     assert len(frames) == runs, (len(frames), runs)
     pixels = torch.stack([_normalized(f) for f in frames])[None]
     return input_ids, {"pixel_values": pixels, "pixel_attention_mask": torch.ones(pixels.shape[:2] + pixels.shape[3:],
@@ -253,7 +272,14 @@ def test_a_tiled_image_counts_once_and_the_next_turn_encodes_none_of_its_tiles(f
     eng = engine_side(family.f32, family.image)
     keys = [item[0] for item in eng.prompt if isinstance(item, tuple)]
     assert len(keys) == len(set(keys)) == 5
-    assert ours_session_turns(family) == (1, 0)
+    image = [family.image.read_bytes()]
+    with session_of(family.f32) as session:
+        first = ask(session, image)
+        turn = ({"role": "user", "content": PROMPT, "images": image},
+                {"role": "assistant", "content": "".join(c.text for c in first)})
+        again = ask(session, [], "And the colours?", history=turn)
+    assert again[-1].cached_tokens >= first[-1].prompt_tokens
+    assert (first[-1].images_encoded, again[-1].images_encoded) == (1, 0)
 
 
 @pytest.mark.parametrize("family", ["smolvlm"], indirect=True)
@@ -264,33 +290,8 @@ def test_a_request_with_more_tiles_than_images_kept_is_answered(family: Family, 
 
     pictures = [test_image(tmp_path / f"{seed}.png", 2 * TILE, 2 * TILE, seed=seed).read_bytes() for seed in range(13)]
     assert 5 * len(pictures) > KEEP_IMAGES
-    assert family.f32.mmproj is not None
-    session = api.load(api.get_model(str(family.f32.path)),
-                       LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(family.f32.mmproj.path)))
-    try:
-        chunks = list(api.stream(session, Request.chat([{"role": "user", "content": PROMPT, "images": pictures}]),
-                                 GenerationParams(temperature=0, max_tokens=2)))
-        assert chunks[-1].images_encoded == 13
-    finally:
-        session.close()
-
-
-def ours_session_turns(family: Family) -> tuple[int, int]:
-    """Images encoded by a conversation's first turn and by its second."""
-    assert family.f32.mmproj is not None
-    session = api.load(api.get_model(str(family.f32.path)),
-                       LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(family.f32.mmproj.path)))
-    try:
-        turn = [{"role": "user", "content": PROMPT, "images": [family.image.read_bytes()]}]
-        params = GenerationParams(temperature=0, max_tokens=4)
-        chunks = list(api.stream(session, Request.chat(turn), params))
-        reply = "".join(c.text for c in chunks)
-        again = list(api.stream(session, Request.chat(
-            [*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "And the colours?"}]), params))
-        assert again[-1].cached_tokens >= chunks[-1].prompt_tokens
-        return chunks[-1].images_encoded, again[-1].images_encoded
-    finally:
-        session.close()
+    with session_of(family.f32) as session:
+        assert ask(session, pictures, max_tokens=2)[-1].images_encoded == 13
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl"], indirect=True)
@@ -298,20 +299,14 @@ def test_a_thinking_models_short_question_after_an_image(family: Family) -> None
     """This checkpoint carries Qwen3's chat template, a thinking one, as Qwen3-VL does: the engine
     reads the prompt's last tokens to see whether a thought is open, and an image there has no text
     (its placeholders are no vocabulary ids: reading them aborted the process)."""
-    assert family.f32.mmproj is not None
-    session = api.load(api.get_model(str(family.f32.path)),
-                       LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(family.f32.mmproj.path)))
-    try:
-        assert session.info().get("reasoning") or api.reasoning_format(api.get_model(str(family.f32.path)))
-        chunks = list(api.stream(session, Request.chat([{"role": "user", "content": "Hi", "images": [
-            family.image.read_bytes()]}]), GenerationParams(temperature=0, max_tokens=4)))
-        assert chunks[-1].images_encoded == 1 and chunks[-1].completion_tokens == 4
-    finally:
-        session.close()
+    assert api.reasoning_format(api.get_model(str(family.f32.path))) is not None
+    with session_of(family.f32) as session:
+        chunks = ask(session, [family.image.read_bytes()], "Hi")
+    assert chunks[-1].images_encoded == 1 and chunks[-1].completion_tokens == 4
 
 
 def test_a_projector_whose_delimiters_the_vocabulary_lacks_fails_its_request_by_name(tmp_path: Path) -> None:
-    """SmolVLM's projector has mtmd put "\n\n", <fake_token_around_image> and <global-img> around
+    r"""SmolVLM's projector has mtmd put "\n\n", <fake_token_around_image> and <global-img> around
     the overview, each one token of the model's vocabulary. A vocabulary without one (here "\n\n")
     is a model and projector that do not belong together: the request fails saying so, instead of
     decoding a token id that is not one."""
@@ -320,13 +315,7 @@ def test_a_projector_whose_delimiters_the_vocabulary_lacks_fails_its_request_by_
     hf = tmp_path / "smolvlm"
     hf.mkdir()
     idefics3_checkpoint(hf, IDEFICS3_TOKENS[:-1])
-    ours = convert.convert(hf, tmp_path / "m.gguf", outtype="f16")
-    assert ours.mmproj is not None
-    session = api.load(api.get_model(str(ours.path)), LoadOptions(n_ctx=1024, n_parallel=1, mmproj=str(ours.mmproj.path)))
-    try:
-        image = test_image(tmp_path / "image.png", TILE, TILE)
-        with pytest.raises(BadModelFileError, match="image delimiters that this model's vocabulary does not have"):
-            list(api.stream(session, Request.chat([{"role": "user", "content": PROMPT, "images": [image.read_bytes()]}]),
-                            GenerationParams(temperature=0, max_tokens=4)))
-    finally:
-        session.close()
+    image = test_image(tmp_path / "image.png", TILE, TILE)
+    with session_of(convert.convert(hf, tmp_path / "m.gguf", outtype="f16")) as session, \
+            pytest.raises(BadModelFileError, match="image delimiters that this model's vocabulary does not have"):
+        ask(session, [image.read_bytes()])

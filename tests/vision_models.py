@@ -51,6 +51,7 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2-VL's defaults: 112x84 
 # llama.cpp's mtmd writes the start/end tokens itself around the embeddings of a media marker.
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 # Qwen2-VL-Instruct's chat template, as published with the model (a default system prompt).
 CHAT_TEMPLATE = (
@@ -228,9 +229,7 @@ def reference_greedy(model: VisionModel, image: Path, prompt: str, n: int) -> Re
     pixels, grid, count = _pixels(processor, image)
     rendered = chat_prompt(prompt)
     pad = tok.convert_tokens_to_ids(IMAGE_PAD)
-    ids: list[int] = []
-    for token in tok(rendered, add_special_tokens=False)["input_ids"]:
-        ids.extend([token] * count if token == pad else [token])
+    ids = prompt_ids(tok, rendered, count)
     tokens: list[int] = []
     margins: list[float] = []
     with torch.no_grad():
@@ -245,6 +244,15 @@ def reference_greedy(model: VisionModel, image: Path, prompt: str, n: int) -> Re
             tokens.append(int(top.indices[0]))
             margins.append(float(top.values[0] - top.values[1]))
     return Reference(rendered, ids, count, tokens, tok.decode(tokens, skip_special_tokens=False), margins)
+
+
+def prompt_ids(tok: Any, rendered: str, count: int) -> list[int]:
+    """A rendered Qwen-VL prompt's token ids as the model reads them: IMAGE_PAD once per image token."""
+    pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+    ids: list[int] = []
+    for token in tok(rendered, add_special_tokens=False)["input_ids"]:
+        ids.extend([token] * count if token == pad else [token])
+    return ids
 
 
 def reference_image_embeddings(model: VisionModel, image: Path) -> Any:
@@ -289,34 +297,24 @@ def qwen25vl_checkpoint(folder: Path) -> tuple[Any, int]:
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(TOKENIZER)))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    shared = _qwen_vl_config(tok)
     config = tf.Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
-        },
         # windows of 4x4 merged tokens (112 pixels, the published size, which llama.cpp assumes),
         # full attention in every second block
         vision_config={
-            "depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+            "depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": HIDDEN,
+            "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": TEMPORAL, "window_size": 112,
             "fullatt_block_indexes": [1, 3], "in_channels": 3,
         },
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **shared,
     )
     torch.manual_seed(0)
     model = tf.Qwen2_5_VLForConditionalGeneration(config)
     clear_margins(model, seed=7)
     model.eval().save_pretrained(folder)
     tok.save_pretrained(folder)
-    _image_processor()(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
-                       temporal_patch_size=2, image_mean=IMAGE_MEAN, image_std=IMAGE_STD).save_pretrained(folder)
-    return model, ids["<|image_pad|>"]
+    _save_image_processor(folder)
+    return model, shared["image_token_id"]
 
 
 def gemma3_config(vocab_size: int, boi: int, eoi: int, image: int) -> Any:
@@ -437,31 +435,17 @@ def _build_checkpoint(hf: Path) -> None:
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(str(assets_or_skip(TOKENIZER)))  # not _tokenizer_of's: changed
-    special = {name: tok.convert_tokens_to_ids(name) for name in
-               ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
-    missing = [name for name, i in special.items() if i is None or i == tok.unk_token_id]
+    missing = [name for name in VISION_TOKENS if tok.convert_tokens_to_ids(name) in (None, tok.unk_token_id)]
     if missing:  # the Qwen3 tokenizer has them (151652-151656); another one may not
         tok.add_special_tokens({"additional_special_tokens": missing})  # type: ignore[dict-item]
-        special = {name: tok.convert_tokens_to_ids(name) for name in special}
-    assert sum(MROPE_SECTION) * 2 == HIDDEN // HEADS
     config = tf.Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
-            "num_hidden_layers": 2, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": MROPE_SECTION},
-            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
-            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
-        },
         vision_config={
             # 3 blocks: the converter's tensor map needs at least 3; hidden_size is the merger's output
             "depth": 3, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 4, "hidden_size": HIDDEN,
             "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": TEMPORAL,
             "in_channels": 3,
         },
-        image_token_id=special["<|image_pad|>"], video_token_id=special["<|video_pad|>"],
-        vision_start_token_id=special["<|vision_start|>"], vision_end_token_id=special["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **_qwen_vl_config(tok),
     )
     torch.manual_seed(0)
     model = tf.Qwen2VLForConditionalGeneration(config)
@@ -475,10 +459,7 @@ def _build_checkpoint(hf: Path) -> None:
         model.save_pretrained(work)
         tok.chat_template = CHAT_TEMPLATE
         tok.save_pretrained(work)
-        _image_processor()(
-            min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH, merge_size=MERGE,
-            temporal_patch_size=TEMPORAL, image_mean=IMAGE_MEAN, image_std=IMAGE_STD,
-        ).save_pretrained(work)
+        _save_image_processor(work)
         # Older transformers (4.57) kept `architectures` only in text_config, where the
         # converter's --mmproj does not look.
         path = work / "config.json"
@@ -492,6 +473,34 @@ def _build_checkpoint(hf: Path) -> None:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _qwen_vl_config(tok: Any) -> dict[str, Any]:
+    """What the tiny Qwen2-VL and Qwen2.5-VL configs share: the text model (2 layers, M-RoPE) on
+    tok's vocabulary, and the ids of the vision tokens."""
+    assert sum(MROPE_SECTION) * 2 == HIDDEN // HEADS
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   (tok.convert_tokens_to_ids(name) for name in VISION_TOKENS), strict=True))
+    return {
+        "text_config": {
+            "vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
+            "num_hidden_layers": 2, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": MROPE_SECTION},
+            "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+        },
+        "tie_word_embeddings": False,
+        **ids,
+    }
+
+
+def _save_image_processor(folder: Path) -> None:
+    """Qwen2-VL's image processor settings (a 112x84 image is kept as it is) into folder."""
+    _image_processor()(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH, merge_size=MERGE,
+        temporal_patch_size=TEMPORAL, image_mean=IMAGE_MEAN, image_std=IMAGE_STD,
+    ).save_pretrained(folder)
 
 
 def _peak(model: Any, seed: int) -> None:

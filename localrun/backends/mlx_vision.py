@@ -127,16 +127,8 @@ def vlm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     text = out.get("text_config")
     if isinstance(text, dict):
         text.update(rope_keys(text))
-        if family == "gemma3":  # settings mlx-vlm's Gemma 3 reads where transformers does not write them
-            if "mm_tokens_per_image" in out and "mm_tokens_per_image" not in text:
-                text["mm_tokens_per_image"] = out["mm_tokens_per_image"]
-            if "hidden_size" not in out and isinstance(text.get("hidden_size"), int):
-                # it divides the image features by the root of this (default 2048), and the text
-                # model multiplies every input by the root of its own width: unchanged only when equal
-                out["hidden_size"] = text["hidden_size"]
-            pattern = _sliding_pattern(text.get("layer_types"))
-            if pattern is not None and "sliding_window_pattern" not in text:
-                text["sliding_window_pattern"] = pattern
+        if family == "gemma3":
+            _gemma3_keys(out, text)
         probe = copy.deepcopy(out)
         try:
             module.ModelConfig.from_dict(probe)
@@ -151,6 +143,20 @@ def vlm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(vision, dict) and vision.get("model_type") == f"{family}_vision" and default == family:
         vision["model_type"] = family
     return out
+
+
+def _gemma3_keys(cfg: dict[str, Any], text: dict[str, Any]) -> None:
+    """Write into a Gemma 3 config (and its text_config) the settings mlx-vlm reads where
+    transformers does not write them."""
+    if "mm_tokens_per_image" in cfg and "mm_tokens_per_image" not in text:
+        text["mm_tokens_per_image"] = cfg["mm_tokens_per_image"]
+    if "hidden_size" not in cfg and isinstance(text.get("hidden_size"), int):
+        # mlx-vlm divides the image features by the root of this (default 2048), and the text model
+        # multiplies every input by the root of its own width: unchanged only when they are equal
+        cfg["hidden_size"] = text["hidden_size"]
+    pattern = _sliding_pattern(text.get("layer_types"))
+    if pattern is not None and "sliding_window_pattern" not in text:
+        text["sliding_window_pattern"] = pattern
 
 
 def _sliding_pattern(layer_types: Any) -> int | None:

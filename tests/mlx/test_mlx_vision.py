@@ -114,7 +114,7 @@ def transformers_greedy(vl: VisionModel, messages: list[dict[str, Any]], n: int,
     one full forward pass per token as reference_greedy does for a single turn."""
     import torch
 
-    from tests.vision_models import CHAT_TEMPLATE, IMAGE_PAD, _loaded, _pixels
+    from tests.vision_models import CHAT_TEMPLATE, IMAGE_PAD, _loaded, _pixels, prompt_ids
 
     model, tok, processor = _loaded(str(vl.hf))
     shown = [{**m, "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]} if i == 0 and picture else m
@@ -126,9 +126,7 @@ def transformers_greedy(vl: VisionModel, messages: list[dict[str, Any]], n: int,
         pixels, grid, count = _pixels(processor, picture)
         inputs = {"pixel_values": pixels, "image_grid_thw": grid}
     pad = tok.convert_tokens_to_ids(IMAGE_PAD)
-    ids: list[int] = []
-    for token in tok(rendered, add_special_tokens=False)["input_ids"]:
-        ids.extend([token] * count if token == pad else [token])
+    ids = prompt_ids(tok, rendered, count)
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
@@ -342,22 +340,19 @@ def _family_reference(name: str, hf: Path, model: Any, template: str, picture: P
     import transformers as tf
     from PIL import Image
 
-    from tests.vision_models import IMAGE_PAD, _image_processor, token_bytes
+    from tests.vision_models import IMAGE_PAD, _image_processor, _pixels, prompt_ids, token_bytes
 
     tok = tf.AutoTokenizer.from_pretrained(str(hf))
     turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     rendered = tok.apply_chat_template(turn, chat_template=template, tokenize=False, add_generation_prompt=True)
-    with Image.open(picture) as file:
-        rgb = file.convert("RGB")
     if name == "qwen2.5-vl":  # Qwen2_5_VLProcessor insists on a video processor (torchvision): its image half
-        batch = _image_processor().from_pretrained(str(hf))(images=[rgb], return_tensors="pt")
-        count = int(batch["image_grid_thw"][0].prod()) // 4
-        pad = tok.convert_tokens_to_ids(IMAGE_PAD)
-        ids = [t for token in tok(rendered, add_special_tokens=False)["input_ids"]
-               for t in ([token] * count if token == pad else [token])]
-        inputs = {"input_ids": torch.tensor([ids]), "pixel_values": batch["pixel_values"],
-                  "image_grid_thw": batch["image_grid_thw"], "mm_token_type_ids": (torch.tensor([ids]) == pad).long()}
+        pixels, grid, count = _pixels(_image_processor().from_pretrained(str(hf)), picture)
+        ids = torch.tensor([prompt_ids(tok, rendered, count)])
+        inputs = {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid,
+                  "mm_token_type_ids": (ids == tok.convert_tokens_to_ids(IMAGE_PAD)).long()}
     else:
+        with Image.open(picture) as file:
+            rgb = file.convert("RGB")
         # transformers' class itself: mlx-vlm, once imported, answers AutoProcessor with its own port
         processor = (tf.Gemma3Processor if name == "gemma3" else tf.Idefics3Processor).from_pretrained(str(hf))
         inputs = dict(processor(images=[rgb], text=rendered, return_tensors="pt"))
@@ -378,8 +373,8 @@ def test_qwen25vl_gemma3_and_smolvlm_reply_as_transformers_does(name: str, tmp_p
     for token, with the prompt's tokens counted (SmolVLM's 112x112 image: 2x2 tiles and the
     overview); another image, another reply. mlx-vlm reads Gemma 3's settings where transformers 5
     does not write them (mm_tokens_per_image, sliding_window_pattern, and the width by whose root it
-    divides the image features): the engine's config view writes them there. mlx-vlm's Gemma 3 lets image tokens attend only backwards: the reference is
-    transformers' so computed."""
+    divides the image features): the engine's config view writes them there. mlx-vlm's Gemma 3
+    lets image tokens attend only backwards: the reference is transformers' so computed."""
     from tests.vision_models import FAMILIES
 
     build, (width, height) = FAMILIES[name]
