@@ -121,7 +121,7 @@ def main() -> int:
     import llama_cpp
 
     from localrun import api
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     path = api.get_model(args.model).path
     gpu_layers = args.gpu_layers if args.gpu_layers is not None else (

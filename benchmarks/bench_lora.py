@@ -230,7 +230,8 @@ def bench_decode(work: Path, rounds: int) -> None:
     applying it per request), and the bare base for reference. One engine process per side, the
     same settings (2 threads, context 512, greedy, 128 tokens), alternating rounds, medians."""
     from localrun import api
-    from localrun.generation import GenerationParams, LoadOptions, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams, LoadOptions
 
     base, adapter, merged = _decode_files(work)
     options = LoadOptions(n_ctx=512, n_threads=2, gpu_layers=0)

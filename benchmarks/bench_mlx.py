@@ -91,7 +91,8 @@ def bench_mlx_lm(model: Any, tokenizer: Any, n: int) -> Timing:
 
 
 def bench_localrun(session: Any, n: int) -> Timing:
-    from localrun.generation import GenerationParams, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams
 
     text, first, end, tokens = "", 0.0, 0.0, 0
     start = time.perf_counter()
@@ -111,7 +112,7 @@ def run(name: str, folder: Path, n: int, rounds: int) -> list[tuple[str, str, fl
     from localrun import api
     from localrun.backends.loop import InProcess
     from localrun.backends.mlx import MLXBackend
-    from localrun.generation import LoadOptions
+    from localrun.settings import LoadOptions
     from localrun.store import Store
 
     info = Store(folder.parent / ".store").get(str(folder))

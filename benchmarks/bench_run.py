@@ -78,7 +78,8 @@ def baseline_isolated(path: str, n_tokens: int, threads: int, gpu_layers: int) -
 def localrun_decode(model: str, n_tokens: int, threads: int, gpu_layers: int) -> tuple[float, int, dict]:
     """localrun's own path: the isolated engine, streamed to this process, timed here."""
     from localrun import api
-    from localrun.generation import GenerationParams, LoadOptions, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams, LoadOptions
 
     session = api.load(model, LoadOptions(n_ctx=4096, n_threads=threads, gpu_layers=gpu_layers))
     info = session.info()
@@ -114,7 +115,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from localrun import api
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     path = api.get_model(args.model).path
     threads = args.threads or default_threads()

@@ -363,7 +363,8 @@ async def _warm_up(server: Server) -> None:
 def measure_run(cfg: Config) -> Result:
     """`localrun run` in process: one stream at a time, the same prompts, LoadOptions and params."""
     from localrun import api
-    from localrun.generation import GenerationParams, LoadOptions, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams, LoadOptions
 
     fa = {"on": True, "off": False}[cfg.flash_attn]
     gl: int | str = cfg.gpu_layers if cfg.gpu_layers is not None else "auto"
@@ -523,7 +524,7 @@ def bench(args: argparse.Namespace, ap: argparse.ArgumentParser, baseline: str |
     clients = [int(c) for c in args.clients.split(",")]
 
     from localrun import api
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     cfg = Config(model=args.model, path=str(api.get_model(args.model).path), tokens=args.tokens, clients=clients,
                  requests_per_client=args.requests_per_client, ctx=args.ctx,

@@ -72,7 +72,7 @@ def build_files() -> tuple[Path, Path]:
 class Localrun:
     def __init__(self, model: Path, draft: Path, draft_max: int) -> None:
         from localrun import api
-        from localrun.generation import LoadOptions
+        from localrun.settings import LoadOptions
         from localrun.store import Store
 
         self.api = api
@@ -81,7 +81,7 @@ class Localrun:
         self.draft_max = draft_max
 
     def run(self, prompt: str, tokens: int, drafter: str | None) -> tuple[float, str, tuple[int, int]]:
-        from localrun.generation import GenerationParams
+        from localrun.settings import GenerationParams
 
         params = GenerationParams(temperature=0, max_tokens=tokens, speculative=drafter, draft_max=self.draft_max)
         t0 = time.perf_counter()

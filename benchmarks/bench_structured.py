@@ -70,7 +70,8 @@ def localrun_round(session: Any, budgets: list[int], grammar: str | None) -> tup
     from dataclasses import asdict
 
     from localrun.backends.base import RowResult
-    from localrun.generation import GenerationParams, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams
 
     rows = [(i, Request.chat([{"role": "user", "content": prompt(i)}]),
              GenerationParams(temperature=0.7, seed=i, max_tokens=b, grammar=grammar)) for i, b in enumerate(budgets)]
@@ -202,7 +203,7 @@ def main() -> None:
 
     from localrun import api
     from localrun.constraint import Constraint
-    from localrun.generation import LoadOptions, default_threads
+    from localrun.settings import LoadOptions, default_threads
 
     model = api.get_model(args.model)
     threads = default_threads()

@@ -46,7 +46,8 @@ def build(folder: Path) -> dict[str, Path]:
 def one(session: Any, prompt: str, tokens: int, seed: int) -> dict[str, Any]:
     """One raw request; its speeds and what it produced."""
     from localrun import api
-    from localrun.generation import GenerationParams, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams
 
     params = GenerationParams(max_tokens=tokens, temperature=1.0, seed=seed)
     text, thought, last = [], [], None
@@ -72,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from localrun import api
-    from localrun.generation import LoadOptions
+    from localrun.settings import LoadOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         files = build(Path(tmp))

@@ -75,7 +75,8 @@ def chat_speed(params: Any, options: Any) -> tuple[float, int, int]:
         finished.set()
 
     ChatScreen.on_reply_text, ChatScreen.on_reply_done = on_text, on_done  # type: ignore[method-assign]
-    app = LocalrunApp(params=params, load_options=options)
+    app = LocalrunApp(settings={"temperature": params.temperature, "seed": params.seed,
+                                "max_tokens": params.max_tokens}, load_options=options)
 
     finished = asyncio.Event()
 
@@ -131,7 +132,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     os.environ.setdefault("LOCALRUN_HOME", tempfile.mkdtemp(prefix="bench-tui-"))
-    from localrun.generation import GenerationParams, LoadOptions
+    from localrun.settings import GenerationParams, LoadOptions
 
     params = GenerationParams(temperature=0, seed=1, max_tokens=args.tokens)
     options = LoadOptions(n_ctx=2048)

@@ -165,7 +165,7 @@ def run_kld(model: Path, text: Path, ctx: int, threads: int, logits: Path) -> tu
 def compare(pair: str = "starter", ctx: int = 512, chunks: int = 4, rounds: int = 3, threads: int | None = None,
             work: Path | None = None) -> dict[str, Any]:
     """Run both tools `rounds` times, alternating which goes first; timings and agreement."""
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     threads = threads or default_threads()
     work = work or cache_root().parent / "workbench_eval"

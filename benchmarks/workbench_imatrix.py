@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="write the files here instead of a temporary folder")
     a = ap.parse_args(argv)
     from localrun import api
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
     from localrun.store import starter_model_path
 
     model = api.get_model(a.model).path if a.model else str(starter_model_path() or "")

@@ -20,8 +20,9 @@ from typing import Any
 from localrun.backends.base import abilities, engines_with
 from localrun.chat import Message
 from localrun.errors import ConversionError, ModelNotFoundError, UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
 from localrun.presets import Preset
+from localrun.settings import LoadOptions
 from localrun.store import ModelInfo, Store, hf_cache_dir, normalize_name
 
 _SCALE_RE = re.compile(r"^(?P<name>.+):(?P<scale>[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)$", re.IGNORECASE)
@@ -59,17 +60,6 @@ class Target:
             return "+".join([self.preset_name, *(a.name if s == 1.0 else f"{a.name}:{s:g}" for a, s in extra)])
         return "+".join([self.model.name, *(a.name if s == 1.0 else f"{a.name}:{s:g}" for a, s in self.adapters)])
 
-    def defaults(self) -> dict[str, Any]:
-        """GenerationParams fields the preset sets; a request's own options go over them."""
-        return self.preset.generation_values() if self.preset else {}
-
-    def under(self, params: GenerationParams) -> GenerationParams:
-        """params with the preset's settings where params keep localrun's own defaults (a front end
-        that cannot tell which settings were given: the TUI's)."""
-        default = GenerationParams()
-        given = {k: v for k, v in self.defaults().items() if getattr(params, k) == getattr(default, k)}
-        return replace(params, **given) if given else params
-
     def request(self, request: Request) -> Request:
         """The request with the preset's template, its system prompt (when the conversation has none)
         and its starting conversation (before the request's messages, after its system prompt)."""
@@ -99,12 +89,6 @@ class Target:
         if abilities(engine).request_adapters or not self.adapters:
             return options
         return replace(options, lora=tuple((peft_folder(a, engine), s) for a, s in self.adapters))
-
-    def params(self, params: GenerationParams, engine: str) -> GenerationParams:
-        """The generation settings for this engine: one that applies adapters per request gets their GGUF files."""
-        if not abilities(engine).request_adapters or not self.adapters:
-            return params
-        return replace(params, lora=tuple((a.path, s) for a, s in self.adapters))
 
 
 def peft_folder(adapter: ModelInfo, engine: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,8 @@ from localrun.errors import (
     ModelNotFoundError,
     UsageError,
 )
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, Store
 from localrun.system import disk_full
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from localrun.pool import Pool
     from localrun.presets import Preset
     from localrun.reasoning import ReasoningFormat
+    from localrun.tools import ToolPlan
 
 
 def store() -> Store:
@@ -335,8 +337,8 @@ def model_pool(options: LoadOptions | None = None, engine: str | None = None, *,
 @contextmanager
 def use_target(pool: Pool, target: Target, keep_alive: float | None = None,
                options: LoadOptions | None = None) -> Iterator[tuple[Session, str]]:
-    """A pooled session for a model with adapters, and its engine (give `target.params(params,
-    engine)` to each request).
+    """A pooled session for a model with adapters, and its engine (settings.resolve gives a request
+    the adapters' files where the engine applies them per request).
 
     An engine with per-request adapters (llama.cpp) keeps one base model loaded and applies each
     request's adapters; one that applies them when it loads (MLX) loads a model with adapters
@@ -365,6 +367,39 @@ def stream(
         EngineCrashedError: the engine process died; the caller keeps running.
     """
     return session.stream(request, params or GenerationParams(), cancel)
+
+
+def resolve_settings(given: Mapping[str, Any] | None = None, target: Target | None = None,
+                     engine: str | None = None, *, defaults: Mapping[str, Any] | None = None,
+                     constraint: Constraint | None = None, tools: ToolPlan | None = None) -> GenerationParams:
+    """A request's settings, decided once: what it gives over its preset's, its model's and the defaults.
+
+    Args:
+        given: the settings the request sets, by settings.py's names (settings.read turns any
+            front's names into them).
+        target: the model (with its preset and adapters), from resolve_target.
+        engine: the engine that runs it (from use_target or choose_engine).
+        defaults: settings under all the others (a server's, an app's).
+        constraint: the reply's structured output (from constraint()).
+        tools: the request's ToolPlan.
+
+    Raises:
+        UsageError: a value out of range, or a response format together with tools.
+    """
+    from localrun import settings
+
+    return settings.resolve(given, target, engine, defaults=defaults, constraint=constraint, tools=tools)
+
+
+def setting_value(name: str, text: str, label: str | None = None) -> Any:
+    """One generation setting's value from text (a form's field), typed and checked by settings.py.
+
+    Raises:
+        UsageError: the text is not a valid value; the message names `label`.
+    """
+    from localrun import settings
+
+    return settings.GENERATION[name].parse(text, label or name, "cli")
 
 
 def constraint(spec: dict[str, object], where: str = "constraint") -> Constraint:
@@ -735,7 +770,8 @@ def batch(
     from localrun import batch as batching
 
     params = params or GenerationParams()
-    parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(dict(r), i, params, system)
+    settle = batching.settle_over(params)
+    parsed = [r if isinstance(r, batching.BatchRow) else batching.parse_row(dict(r), i, settle, system)
               for i, r in enumerate(rows, 1)]
     return batching.run_rows(session, parsed, params, cancel, progress)
 

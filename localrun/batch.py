@@ -16,25 +16,55 @@ import re
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
+from localrun import settings
 from localrun.backends.base import Cancel, RowResult, Session
 from localrun.errors import LocalrunError, StoreError, UsageError
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams
 from localrun.system import disk_full
+
+if TYPE_CHECKING:
+    from localrun.adapters import Target
+    from localrun.constraint import Constraint
+    from localrun.tools import ToolPlan
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("id", "text", "thinking", "finish_reason", "prompt_tokens", "completion_tokens", "thinking_tokens",
                "error")
 ROW_KEYS = ("id", "prompt", "messages", "system", "think", "images")
 CONSTRAINT_KEYS = ("schema", "grammar", "choice", "format")  # a row's own structured output
-# Settings a row may give; a grammar arrives as one of CONSTRAINT_KEYS, never as engine Lark.
-SETTINGS = tuple(f.name for f in fields(GenerationParams) if f.name not in ("grammar", "grammar_trigger", "special", "lora"))
-# Each setting's kind from its declared type: integers ("int", "int | None"), and those a row may null.
-_INTEGERS = {f.name for f in fields(GenerationParams) if f.type in ("int", "int | None")}
-_OPTIONAL = {f.name for f in fields(GenerationParams) if str(f.type).endswith("| None")}
+# How a row's own settings (by field name, read by settings.py's table) and its own constraint, if
+# any, become its GenerationParams: over the batch's, decided by settings.resolve (see `settle`).
+Settle = Callable[[Mapping[str, Any], "Constraint | None"], GenerationParams]
+
+
+def settle(given: Mapping[str, Any] | None = None, target: Target | None = None, engine: str | None = None,
+           constraint: Constraint | None = None, tools: ToolPlan | None = None) -> Settle:
+    """How the rows of one batch get their settings: a row's own over the batch's (`given`, the
+    command's flags), over the preset's, the model's and localrun's; a row's own constraint in
+    place of the batch's."""
+
+    def settle_row(own: Mapping[str, Any], own_constraint: Constraint | None) -> GenerationParams:
+        return settings.resolve(settings.layers(given, own), target, engine,
+                                constraint=own_constraint or constraint, tools=tools)
+
+    return settle_row
+
+
+def settle_over(params: GenerationParams) -> Settle:
+    """Rows' own settings over a whole GenerationParams (a library caller's)."""
+    base = {k: v for k, v in params.to_dict().items() if k in settings.GENERATION}
+
+    def settle_row(own: Mapping[str, Any], own_constraint: Constraint | None) -> GenerationParams:
+        grammar = own_constraint.grammar if own_constraint is not None else None
+        return GenerationParams(**{**params.to_dict(), **settings.layers(base, own),
+                                   **({"grammar": grammar, "grammar_trigger": None} if grammar else {})})
+
+    return settle_row
 
 
 @dataclass(frozen=True)
@@ -143,42 +173,27 @@ def _images(value: Any, base: Path | None, what: str) -> list[bytes]:
     return out
 
 
-def _settings(row: dict[str, Any], defaults: GenerationParams) -> GenerationParams | None:
-    """The row's own generation settings over the batch's, or None when it has none."""
+def _settings(row: dict[str, Any], settle_row: Settle) -> GenerationParams | None:
+    """The row's own settings and constraint over the batch's, or None when it has none."""
     own = {k: v for k, v in row.items() if k not in ROW_KEYS and k not in CONSTRAINT_KEYS}
     spec = {k: row[k] for k in CONSTRAINT_KEYS if row.get(k) is not None}
     if not own and not spec:
         return None
-    unknown = sorted(k for k in own if k not in SETTINGS)
-    if unknown:
-        raise UsageError(f"unknown setting(s) {', '.join(map(repr, unknown))}",
-                         f"known: {', '.join(SETTINGS + CONSTRAINT_KEYS)}")
-    base = defaults.to_dict()
+    given = settings.read(own, "batch", nulls=False)
     if spec:
         from localrun.constraint import Constraint
 
-        base["grammar"] = Constraint.from_spec(spec, "row").grammar
-    for name, value in own.items():
-        if name == "stop":
-            value = [value] if isinstance(value, str) else value
-            if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
-                raise UsageError(f"invalid value for stop: {own[name]!r}", "expected a string or a list of strings")
-            value = tuple(value)
-        elif value is not None or name not in _OPTIONAL:
-            want: tuple[type, ...] = (int,) if name in _INTEGERS else (int, float)
-            if isinstance(value, bool) or not isinstance(value, want):
-                raise UsageError(f"invalid value for {name}: {value!r}", "expected a number")
-        base[name] = value
-    return GenerationParams.from_dict(base)
+        return settle_row(given, Constraint.from_spec(spec, "row"))
+    return settle_row(given, None)
 
 
 _ID_IN_BROKEN_JSON = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
 
 
-def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, system: str | None = None,
+def parse_row(data: Any, line: int, settle_row: Settle | None = None, system: str | None = None,
               raw: bool = False, think: bool | str | None = None, base: Path | None = None) -> BatchRow:
     """Validate one JSON row; a row that cannot run gets an error instead of a request."""
-    defaults = defaults or GenerationParams()
+    settle_row = settle_row or settle()
     if not isinstance(data, dict):
         return BatchRow(line, line, error=f"line {line}: expected a JSON object with an id and a prompt or messages")
     row_id = data.get("id", line)
@@ -194,7 +209,7 @@ def parse_row(data: Any, line: int, defaults: GenerationParams | None = None, sy
             raise UsageError("'system' must be a string")
         request = _request(data.get("prompt"), data.get("messages"), row_system, raw, data.get("think", think),
                            data.get("images"), base)
-        params = _settings(data, defaults)
+        params = _settings(data, settle_row)
     except LocalrunError as e:
         return BatchRow(row_id, line, error=f"line {line}: {e}")
     return BatchRow(row_id, line, request, params)
@@ -207,7 +222,7 @@ def refuse_thinking(rows: list[BatchRow], model: str) -> list[BatchRow]:
             if r.request is not None and r.request.think not in (None, False) else r for r in rows]
 
 
-def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, system: str | None = None,
+def parse_lines(lines: Iterable[str], fmt: str, settle_row: Settle, system: str | None = None,
                 raw: bool = False, think: bool | str | None = None, base: Path | None = None) -> list[BatchRow]:
     """Rows from JSONL or text lines (blank lines skipped; text ids are 1-based line numbers)."""
     rows: list[BatchRow] = []
@@ -228,7 +243,7 @@ def parse_lines(lines: Iterable[str], fmt: str, defaults: GenerationParams, syst
                 row_id = n
             rows.append(BatchRow(row_id, n, error=f"line {n}: invalid JSON ({e.msg} at column {e.colno})"))
             continue
-        rows.append(parse_row(data, n, defaults, system, raw, think, base))
+        rows.append(parse_row(data, n, settle_row, system, raw, think, base))
     seen: dict[str, int] = {}
     for r in rows:
         if r.request is None:
@@ -250,7 +265,7 @@ def input_format(path: str, first_line: str) -> str:
     return "jsonl" if first_line.lstrip().startswith("{") else "text"
 
 
-def read_input(path: str, defaults: GenerationParams, system: str | None = None, raw: bool = False,
+def read_input(path: str, settle_row: Settle, system: str | None = None, raw: bool = False,
                think: bool | str | None = None) -> list[BatchRow]:
     """Read and validate every row of an input file ('-' reads stdin)."""
     try:
@@ -262,15 +277,15 @@ def read_input(path: str, defaults: GenerationParams, system: str | None = None,
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
     base = Path.cwd() if path == "-" else Path(path).resolve().parent  # where rows' image paths start
-    rows = parse_lines(lines, input_format(path, first), defaults, system, raw, think, base)
+    rows = parse_lines(lines, input_format(path, first), settle_row, system, raw, think, base)
     if not rows:
         raise UsageError(f"input file '{path}' has no rows", "write one JSON object or one prompt per line")
     return rows
 
 
-def with_tools(rows: list[BatchRow], params: GenerationParams, plan: Any) -> list[BatchRow]:
-    """Rows with the tools in their prompts and the call grammar in their settings; a raw row,
-    which has no chat template to describe tools, becomes an error row."""
+def with_tools(rows: list[BatchRow], plan: Any) -> list[BatchRow]:
+    """Rows with the tools in their prompts (their settings have the call grammar: `settle`); a raw
+    row, which has no chat template to describe tools, becomes an error row."""
     import dataclasses
 
     out = []
@@ -281,8 +296,7 @@ def with_tools(rows: list[BatchRow], params: GenerationParams, plan: Any) -> lis
             out.append(dataclasses.replace(r, request=None, error=f"line {r.line}: tools need a chat row, not --raw"))
         else:
             try:
-                out.append(dataclasses.replace(r, request=plan.request(r.request.messages),
-                                               params=plan.params(r.params) if r.params is not None else None))
+                out.append(dataclasses.replace(r, request=plan.request(r.request.messages)))
             except LocalrunError as e:
                 out.append(dataclasses.replace(r, request=None, error=f"line {r.line}: {e}"))
     return out

@@ -26,7 +26,7 @@ from typing import Any
 
 from localrun.batch import BatchRow, Progress, Record, key
 from localrun.errors import BackendUnavailableError, LocalrunError, UsageError
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, hf_cache_dir
 
 INSTALL_HINT = "install it with: pip install 'localrun[ray]'"

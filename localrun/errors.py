@@ -23,9 +23,13 @@ class LocalrunError(Exception):
 
 
 class UsageError(LocalrunError):
-    """An invalid flag value or argument."""
+    """An invalid flag value or argument; `param`: the request field it names, where there is one."""
 
     exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
 
 
 class ModelNotFoundError(LocalrunError):

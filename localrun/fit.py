@@ -16,7 +16,7 @@ from localrun.errors import BadModelFileError, HubError
 from localrun.gguf_header import Experts
 
 if TYPE_CHECKING:
-    from localrun.generation import LoadOptions
+    from localrun.settings import LoadOptions
     from localrun.store import ModelInfo
 
 FIRST_READ = 1 << 20  # the header of most GGUFs fits in 1 MiB; vocabularies can take several

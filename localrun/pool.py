@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
 from localrun.errors import EngineError, ServerBusyError
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 from localrun.store import ModelInfo
 
 if TYPE_CHECKING:

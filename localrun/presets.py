@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from localrun import settings
 from localrun.errors import UsageError
-from localrun.generation import KV_TYPES
 
 INSTRUCTIONS = ("from", "parameter", "system", "template", "adapter", "message", "license")
 # Instructions of Ollama's format that localrun reads but has no use for (renderer/parser name
@@ -28,81 +28,10 @@ IGNORED = ("renderer", "parser", "requires")
 ROLES = ("system", "user", "assistant")
 
 
-def _nonneg_int(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise ValueError("must be >= 0")
-    return n
-
-
-def _pos_int(v: str) -> int:
-    n = int(v)
-    if n <= 0:
-        raise ValueError("must be > 0")
-    return n
-
-
-def _kv(v: str) -> str:
-    if v.lower() not in KV_TYPES:
-        raise ValueError(f"must be one of {', '.join(KV_TYPES)}")
-    return v.lower()
-
-
-def _drafter(v: str) -> str:
-    """'lookup', or the name of a draft model (checked when the preset is created)."""
-    if v.lower() == "lookup":
-        return "lookup"
-    if not v or any(c.isspace() for c in v):
-        raise ValueError("must be 'lookup' or a draft model's name")
-    return v
-
-
-def _flag(v: str) -> bool:
-    if v.lower() not in ("true", "false"):
-        raise ValueError("must be true or false")
-    return v.lower() == "true"
-
-
-def _float(v: str) -> float:
-    x = float(v)
-    if x != x or x in (float("inf"), float("-inf")):
-        raise ValueError("must be a finite number")
-    return x
-
-
-def _seed(v: str) -> int:
-    n = int(v)
-    if not -1 <= n < 2**32:
-        raise ValueError("must be -1 (random) or an integer in [0, 2^32)")
-    return n
-
-
-# PARAMETER name -> (parser, where it goes: "gen" GenerationParams field or "load" LoadOptions field)
-PARAMETERS: dict[str, tuple[Callable[[str], Any], str, str]] = {
-    "temperature": (_float, "gen", "temperature"),
-    "top_k": (_nonneg_int, "gen", "top_k"),
-    "top_p": (_float, "gen", "top_p"),
-    "min_p": (_float, "gen", "min_p"),
-    "repeat_penalty": (_float, "gen", "repeat_penalty"),
-    "repeat_last_n": (int, "gen", "repeat_last_n"),
-    "presence_penalty": (_float, "gen", "presence_penalty"),
-    "frequency_penalty": (_float, "gen", "frequency_penalty"),
-    "seed": (_seed, "gen", "seed"),
-    "stop": (str, "gen", "stop"),
-    "num_predict": (int, "gen", "max_tokens"),
-    "think_budget": (_nonneg_int, "gen", "think_budget"),
-    "draft": (_drafter, "gen", "speculative"),
-    "draft_max": (_pos_int, "gen", "draft_max"),
-    "draft_min": (_pos_int, "gen", "draft_min"),
-    "draft_always": (_flag, "gen", "draft_always"),
-    "num_ctx": (_pos_int, "load", "n_ctx"),
-    "num_batch": (_pos_int, "load", "n_batch"),
-    "num_thread": (_pos_int, "load", "n_threads"),
-    "num_gpu": (int, "load", "gpu_layers"),
-    "kv_cache_type": (_kv, "load", "kv_type"),
-}
+# PARAMETER names: the settings' Modelfile names (settings.py declares them, their types and checks).
+PARAMETERS: tuple[str, ...] = tuple(settings.named("modelfile"))
 # Ollama parameters localrun does not implement: refused by name in a Modelfile, skipped on import.
-UNSUPPORTED = ("mirostat", "mirostat_eta", "mirostat_tau", "typical_p", "tfs_z", "num_keep", "penalize_newline",
+UNSUPPORTED = ("mirostat", "mirostat_eta", "mirostat_tau", "tfs_z", "num_keep", "penalize_newline",
                "numa", "num_gqa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock",
                "main_gpu", "rope_frequency_base", "rope_frequency_scale")
 
@@ -214,18 +143,11 @@ def parse_parameter(name: str, value: str, line: int | None = None) -> tuple[str
             raise UsageError(f"{where}parameter '{name}' is not supported by localrun",
                              f"supported: {', '.join(PARAMETERS)}")
         raise UsageError(f"{where}unknown parameter '{name}'", f"parameters are {', '.join(PARAMETERS)}")
-    parse = PARAMETERS[name][0]
+    text = value if isinstance(value, str) else str(value)
     try:
-        text = value if isinstance(value, str) else str(value)
-        return name, parse(text if parse is str else text.strip())  # a stop keeps its edge spaces
-    except ValueError as e:
-        detail = str(e) if "must" in str(e) else f"expected {_expected(parse)}"
-        raise UsageError(f"{where}bad value {value!r} for parameter '{name}': {detail}") from None
-
-
-def _expected(parse: Callable[[str], Any]) -> str:
-    return {int: "an integer", _float: "a number", _nonneg_int: "an integer >= 0", _pos_int: "an integer > 0",
-            _seed: "an integer"}.get(parse, "a value")
+        return name, settings.read_text(name, text)
+    except UsageError as e:
+        raise UsageError(f"{where}bad value {value!r} for parameter '{name}': {e.hint or e.message}") from None
 
 
 @dataclass(frozen=True)
@@ -277,25 +199,8 @@ class Preset:
         )
 
     def generation_values(self) -> dict[str, Any]:
-        """GenerationParams fields the preset sets (request options go over these)."""
-        out: dict[str, Any] = {}
-        for name, value in self.parameters.items():
-            _, where, target = PARAMETERS[name]
-            if where != "gen":
-                continue
-            if name == "stop":
-                out["stop"] = tuple(value if isinstance(value, list) else [value])
-            elif name == "seed" and value < 0:
-                continue
-            elif name == "num_predict" and value <= 0:
-                continue  # -1: no limit but the context, as Ollama
-            elif name == "repeat_last_n" and value < 0:
-                continue
-            elif name == "draft":
-                out["speculative"] = "lookup" if value == "lookup" else "model"
-            else:
-                out[target] = value
-        return out
+        """The generation settings the preset sets (request options go over these)."""
+        return settings.modelfile_values(self.parameters)
 
     @property
     def draft_model(self) -> str | None:
@@ -305,12 +210,7 @@ class Preset:
 
     def load_values(self) -> dict[str, Any]:
         """LoadOptions fields the preset sets."""
-        out: dict[str, Any] = {}
-        for name, value in self.parameters.items():
-            _, where, target = PARAMETERS[name]
-            if where == "load":
-                out[target] = "auto" if name == "num_gpu" and value < 0 else value
-        return out
+        return settings.modelfile_load_values(self.parameters)
 
     def modelfile(self, header: str | None = None) -> str:
         """The Modelfile that `create` turns back into this preset."""

@@ -40,8 +40,8 @@ def rewrite_gguf(
     for key, (value, vtype) in add.items():
         writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(x) for x in t.shape])),
-                          raw_dtype=t.tensor_type)
+        data = np.array(t.data)  # a quantized tensor's rows as bytes: its shape is the byte shape the writer takes
+        writer.add_tensor(t.name, data, raw_shape=list(data.shape), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

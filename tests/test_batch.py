@@ -16,7 +16,8 @@ import pytest
 from localrun import api
 from localrun.backends.base import RowResult
 from localrun.batch import BatchRow, finished_ids, parse_row
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 
 from . import reliability
 
@@ -159,7 +160,7 @@ def test_bad_rows_get_errors_and_the_rest_run(cli, tmp_path: Path) -> None:
         "empty": "neither 'prompt' nor 'messages'",
         "both": "both 'prompt' and 'messages'",
         "typo": "unknown setting(s) 'temprature'",
-        "badvalue": "invalid value for --top-p",
+        "badvalue": "invalid value for top_p",
         "long": "context holds 128",
         "badmsg": "line 8:",
         9: "expected a JSON object",
@@ -270,11 +271,12 @@ def test_usage_errors(cli, tmp_path: Path) -> None:
 def test_sequence_length_bounds_every_row_and_falls_back_to_the_model_context() -> None:
     from localrun import batch as batching
 
-    params = GenerationParams(max_tokens=64)
-    rows = [batching.parse_row({"id": 1, "prompt": "short"}, 1, params),
-            batching.parse_row({"id": 2, "prompt": "é" * 300, "max_tokens": 100}, 2, params)]
+    settle = batching.settle({"max_tokens": 64})
+    params = settle({}, None)
+    rows = [batching.parse_row({"id": 1, "prompt": "short"}, 1, settle),
+            batching.parse_row({"id": 2, "prompt": "é" * 300, "max_tokens": 100}, 2, settle)]
     n = batching.sequence_length(rows, params, 4096)
     assert n % 256 == 0 and n >= 600 + batching.TEMPLATE_MARGIN + 100 and n < 4096
-    unbounded = [*rows, batching.parse_row({"id": 3, "prompt": "go on"}, 3, GenerationParams())]
+    unbounded = [*rows, batching.parse_row({"id": 3, "prompt": "go on"}, 3)]
     assert batching.sequence_length(unbounded, GenerationParams(), 4096) == 4096
     assert batching.sequence_length(rows, params, 512) == 512

@@ -14,7 +14,8 @@ from localrun import api
 from localrun.backends.llama_cpp import LlamaCppEngine
 from localrun.backends.loop import EngineLoop
 from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import Chunk, Request, TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 
 GREEDY = GenerationParams(temperature=0, max_tokens=24)
 

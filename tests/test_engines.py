@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from localrun import api
+from localrun import api, settings
 from localrun.backends import base
 from localrun.backends.base import Abilities, abilities, backend_class, backend_names, engines_with
 from localrun.errors import BackendUnavailableError, UsageError
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import LoadOptions
 from localrun.store import ModelInfo
 
 THIRD = '''
@@ -119,9 +119,9 @@ def test_adapters_and_expert_offload_follow_the_abilities(third: str) -> None:
     target = Target(model("onnx"), ((adapter, 0.5),))
     # An engine that applies adapters when it loads gets them in its load options, not per request.
     assert target.load_options(LoadOptions(), third).lora == (("/peft/a", 0.5),)
-    assert target.params(GenerationParams(), third).lora == ()
+    assert settings.resolve({}, target, third).lora == ()
     # One with per-request adapters gets them with each request and loads the bare base.
-    assert target.params(GenerationParams(), "llama.cpp").lora == (("/peft/a", 0.5),)
+    assert settings.resolve({}, target, "llama.cpp").lora == (("/peft/a", 0.5),)
     assert target.load_options(LoadOptions(), "llama.cpp").lora == ()
     args = build_parser().parse_args(["run", "m", "--engine", third, "--cpu-moe", "2"])
     with pytest.raises(UsageError, match="--cpu-moe works only with the llama.cpp engine, and third cannot") as e:

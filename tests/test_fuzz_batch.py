@@ -14,17 +14,19 @@ from hypothesis import strategies as st
 
 from localrun.batch import (
     CONSTRAINT_KEYS,
-    SETTINGS,
     BatchRow,
     parse_lines,
     parse_row,
     read_input,
+    settle,
 )
 from localrun.chat import ROLES
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams
+from localrun.settings import GenerationParams, named
 
 from . import reliability
+
+SETTINGS = tuple(named("batch"))  # the keys a row may set
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -81,7 +83,7 @@ def assert_row(r: BatchRow, line: int) -> None:
        system=st.one_of(st.none(), st.text(max_size=8)))
 def test_any_json_value_is_a_row(data: Any, line: int, raw: bool, system: str | None) -> None:
     """parse_row never raises, whatever the value (known keys with wrong types, extra keys, non-objects)."""
-    assert_row(parse_row(data, line, GenerationParams(), system, raw), line)
+    assert_row(parse_row(data, line, settle(), system, raw), line)
     reliability.inputs("batch row")  # per example: how many rows it holds depends on the draw
 
 
@@ -100,7 +102,7 @@ lines = st.lists(st.one_of(
 
 def _check_lines(text_lines: list[str], fmt: str) -> list[BatchRow] | None:
     try:
-        rows = parse_lines(text_lines, fmt, GenerationParams())
+        rows = parse_lines(text_lines, fmt, settle())
     except UsageError as e:
         assert "appears on lines" in e.message, e.message
         return None
@@ -128,7 +130,7 @@ def test_any_input_file_is_read(text_lines: list[str], suffix: str) -> None:
         p = Path(d) / f"rows{suffix}"
         p.write_text("\n".join(text_lines), encoding="utf-8")
         try:
-            rows = read_input(str(p), GenerationParams())
+            rows = read_input(str(p), settle())
         except UsageError as e:
             assert e.message and ("appears on lines" in e.message or "has no rows" in e.message
                                   or "cannot read" in e.message), e.message
@@ -141,6 +143,6 @@ def test_any_input_file_is_read(text_lines: list[str], suffix: str) -> None:
 @pytest.mark.parametrize("line", ['{"id": "\\q", "prompt": ', '{"id": 1, "prompt": "x", "temperature": 1' + "0" * 400 + "}"])
 def test_found_by_fuzzing(line: str) -> None:
     """Inputs the fuzzing above found: each is a row with an error, not an exception."""
-    (r,) = parse_lines([line], "jsonl", GenerationParams())
+    (r,) = parse_lines([line], "jsonl", settle())
     assert r.request is None and r.error and r.error.startswith("line 1: ")
     reliability.inputs("batch row")

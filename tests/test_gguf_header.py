@@ -119,7 +119,8 @@ def test_fuzz_mutated_files_never_crash(stories: Path, tmp_path: Path) -> None:
     """Hundreds of damaged files: each is rejected with a clear error or, if it passes the header
     checks, runs in the isolated engine, where a native crash becomes an error too."""
     from localrun.backends.session import WorkerSession
-    from localrun.generation import GenerationParams, LoadOptions, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams, LoadOptions
     from localrun.store import ModelInfo
 
     data = stories.read_bytes()

@@ -14,7 +14,7 @@ from localrun.cli import build_parser
 from localrun.cli.options import load_options_from_args
 from localrun.errors import UsageError
 from localrun.fit import Shape, choose_context, kv_cache_bytes, shape_of
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 from localrun.workbench.perplexity import evaluate
 

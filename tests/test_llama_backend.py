@@ -12,7 +12,8 @@ import pytest
 
 from localrun import api
 from localrun.errors import ContextOverflowError, EngineCrashedError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 from .ggufs import without_byte_tokens

@@ -16,13 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from localrun import api
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun import api, settings
+from localrun.generation import Chunk, Request
+from localrun.settings import GenerationParams, LoadOptions
 
 from .lora_models import make_adapter, make_base
 
 PROMPT = "Once upon a time"
 GREEDY = GenerationParams(temperature=0, max_tokens=12)
+
+
+def _with_adapters(lora: list[str]) -> GenerationParams:
+    """The greedy settings with these adapters, as llama.cpp runs them (per request)."""
+    return settings.resolve({"temperature": 0, "max_tokens": 12}, api.resolve_target("base:f32", lora), "llama.cpp")
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,8 @@ def registered(files: Files, tmp_path: Path) -> Files:
     return files
 
 
-def _reply(session, lora: list[str], params: GenerationParams = GREEDY) -> str:  # noqa: ANN001
-    target = api.resolve_target("base:f32", lora)
-    return "".join(c.text for c in session.stream(Request.raw(PROMPT), target.params(params, "llama.cpp")))
+def _reply(session, lora: list[str]) -> str:  # noqa: ANN001
+    return "".join(c.text for c in session.stream(Request.raw(PROMPT), _with_adapters(lora)))
 
 
 SETS = {"none": [], "a1": ["a1:lora"], "a2": ["a2:lora"], "a1-half": ["a1:lora:0.5"], "both": ["a1:lora", "a2:lora"],
@@ -236,7 +241,7 @@ def test_the_loop_runs_one_adapter_set_per_step_and_never_reuses_another_sets_ca
     try:
         sink = Record()
         loop = EngineLoop(engine, sink)
-        a1 = api.resolve_target("base:f32", ["a1:lora"]).params(GREEDY, "llama.cpp")
+        a1 = _with_adapters(["a1:lora"])
         order = [("x", a1), ("y", GREEDY), ("z", a1), ("w", GREEDY)]
         for rid, params in order:
             loop.submit(rid, Request.raw(PROMPT + " " + rid), params)
@@ -282,7 +287,7 @@ def test_tui_chats_with_base_plus_adapter_from_the_command_line(registered: File
     session = api.load("base:f32", LoadOptions(n_ctx=256))
     try:
         def reply(lora: list[str]) -> str:
-            params = api.resolve_target("base:f32", lora).params(GREEDY, "llama.cpp")
+            params = _with_adapters(lora)
             return "".join(c.text for c in session.stream(api.build_messages(PROMPT), params))
 
         with_adapter, bare = reply(["a1:lora"]), reply([])

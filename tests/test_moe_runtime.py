@@ -17,8 +17,9 @@ import pytest
 
 from localrun import api
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
 from localrun.gguf_header import Experts, experts_of, model_experts, read_gguf
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.units import count as human_count
 from tests.convert.convert_helpers import (
     convert_reference,

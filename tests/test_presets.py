@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from localrun import api
+from localrun import api, settings
 from localrun.chat import parse_messages, render_template
 from localrun.errors import LocalrunError, UsageError
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
 from localrun.presets import Preset, go_template, read_modelfile
+from localrun.settings import GenerationParams
 
 HERE = Path(__file__).parent / "ollama_templates"
 MODEL = "smollm2:135m"
@@ -121,7 +122,10 @@ def test_a_preset_is_an_entry_on_its_base(tmp_path: Path, isolated_home: Path, c
     child = _create(tmp_path, "calm", "FROM pirate\nPARAMETER num_predict 3\nSYSTEM Be calm.\n")
     target = api.resolve_target(child.name)  # type: ignore[attr-defined]
     assert target.model.name == MODEL and target.name == "calm:latest"
-    assert target.defaults() == {"temperature": 0.0, "max_tokens": 3, "stop": ("<|im_end|>", "User:")}
+    assert target.preset is not None
+    assert target.preset.generation_values() == {"temperature": 0.0, "max_tokens": 3, "stop": ("<|im_end|>", "User:")}
+    resolved = settings.resolve({"max_tokens": 9}, target)  # the request's own over the presets'
+    assert (resolved.temperature, resolved.max_tokens, resolved.stop) == (0.0, 9, ("<|im_end|>", "User:"))
     # a FROM chain may not loop
     with pytest.raises(UsageError, match="its own base"):
         api.create_preset("pirate", "FROM calm\n")

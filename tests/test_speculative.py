@@ -17,7 +17,8 @@ import pytest
 
 from localrun import api
 from localrun.backends.drafting import TRIAL_NGRAM, DraftControl, DraftRecord, PromptLookup, lookup
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from tests.conftest import ASSETS, assets_or_skip, serve_command
 
 MODEL = "smollm2:135m"
@@ -362,7 +363,7 @@ def test_batch_rows_and_both_apis_report_drafts(cli: object, tmp_path: object, s
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["drafted_tokens"] > 0 and r["accepted_tokens"] > 0 for r in records)
 
-    with serve(LoadOptions(n_ctx=512, n_parallel=2), draft="lookup") as s:
+    with serve(LoadOptions(n_ctx=512, n_parallel=2), settings={"speculative": "lookup"}) as s:
         # serve --draft: every request drafts unless it says otherwise
         reply = s.openai().chat.completions.create(model=MODEL, temperature=0, max_tokens=30,
                                                    messages=[{"role": "user", "content": REWRITE}])

@@ -12,7 +12,7 @@ import pytest
 
 from localrun import api
 from localrun.backends.llama_cpp import LlamaCppEngine
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 from tests.test_reasoning import templates
 
 

@@ -126,7 +126,8 @@ def test_a_schema_on_gpt_oss_holds_the_final_message_after_the_analysis(models: 
     from localrun.backends.llama_cpp import LlamaCppEngine
     from localrun.backends.loop import InProcess
     from localrun.constraint import Constraint
-    from localrun.generation import GenerationParams, LoadOptions, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams, LoadOptions
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
     ip = InProcess(LlamaCppEngine(api.get_model("oss:tiny"), LoadOptions(n_ctx=512)))

@@ -11,7 +11,7 @@ import pytest
 from localrun import api
 from localrun.backends.llama_cpp import LlamaCppEngine
 from localrun.backends.loop import InProcess
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 from tests.thinking_models import (
     R1_TEMPLATE,
     SAMPLED,

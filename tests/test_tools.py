@@ -508,7 +508,8 @@ def test_messages_keep_their_calls() -> None:
 def test_starter_model_calls_a_tool_through_the_engine(starter: Path) -> None:
     """SmolLM2 (plain ChatML: the generic format) under tool_choice "required", on llama.cpp."""
     from localrun import api
-    from localrun.generation import GenerationParams, Request
+    from localrun.generation import Request
+    from localrun.settings import GenerationParams
 
     info = api.get_model(str(starter))
     fmt = tools.detect_format(api.chat_template(info))

@@ -18,7 +18,8 @@ import pytest
 
 from localrun import api
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 from tests.conftest import run_cli, serve_command
 from tests.vision_models import VisionModel, qwen2vl, reference_greedy, test_image

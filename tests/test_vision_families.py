@@ -31,7 +31,8 @@ import pytest
 
 import convert
 from localrun import api
-from localrun.generation import GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import Request, TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 from tests.vision_models import (
     FAMILIES,
     IDEFICS3_TOKENS,

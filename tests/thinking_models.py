@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localrun.generation import Chunk, GenerationParams, Request
+from localrun.generation import Chunk, Request
+from localrun.settings import GenerationParams
 from tests.conftest import ASSETS, assets_or_skip
 
 if TYPE_CHECKING:

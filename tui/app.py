@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from textual.app import App, SystemCommand
@@ -11,7 +11,7 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 
 from localrun import api
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import LoadOptions
 from tui.conversations import ConversationStore
 from tui.messages import ModelsChanged
 from tui.screens.chat import ChatScreen
@@ -48,7 +48,7 @@ class LocalrunApp(App[None]):
 
     def __init__(
         self,
-        params: GenerationParams | None = None,
+        settings: Mapping[str, Any] | None = None,
         load_options: LoadOptions | None = None,
         engine: str | None = None,
         system: str | None = None,
@@ -58,7 +58,7 @@ class LocalrunApp(App[None]):
     ) -> None:
         super().__init__()
         self.model_warnings: set[tuple[str, str]] = set()  # (model, warning) already shown
-        self.default_params = params or GenerationParams()
+        self.default_settings = dict(settings or {})  # a new chat's own settings: `tui`'s generation flags
         self.default_system = system
         self.initial_model = model
         # The TUI keeps the model it chats with loaded until another one is needed.

@@ -14,21 +14,22 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun import api
+from localrun import api, settings
 from localrun.errors import StoreError
-from localrun.generation import GenerationParams
 from localrun.images import to_base64
 from tui.attachments import Attachment
 
 _log = logging.getLogger(__name__)
 
-# The structured-output spec as the user gave it, beside the sampling settings in the params column.
+# The params column: {"settings": the settings the user set (by field name), "output": the
+# structured-output spec as the user gave it}. A column from before holds every field of the settings.
+SETTINGS_KEY = "settings"
 OUTPUT_KEY = "output"
 
 _SCHEMA = """
@@ -84,11 +85,11 @@ class Conversation:
     title: str
     model: str
     system: str
-    params: GenerationParams
+    settings: Mapping[str, Any]  # the settings the user set for it (settings.py's names); the rest as the model says
     updated: float
     turns: tuple[Turn, ...] = ()
     message_count: int = 0
-    output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec) of params.grammar
+    output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec)
 
     def history(self) -> list[dict[str, Any]]:
         """The messages in the shape `api.build_messages` takes. A turn's thought goes apart from its
@@ -113,26 +114,31 @@ def default_path() -> Path:
     return home() / "conversations.sqlite3"
 
 
-def _settings(raw: str) -> tuple[GenerationParams, dict[str, Any] | None]:
-    """The params column's settings and output spec; the grammar is rebuilt from the spec."""
+def _settings(raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The params column's settings and output spec (a spec this version refuses is dropped). A
+    column from before kept every field: the values that differ from localrun's defaults were set."""
     try:
         data = json.loads(raw or "{}")
         output = data.pop(OUTPUT_KEY, None)
-        params = GenerationParams.from_dict(data)
+        if SETTINGS_KEY in data:
+            given = data[SETTINGS_KEY]
+        else:
+            given = {k: v for k, v in data.items()
+                     if k in settings.GENERATION and v != settings.GENERATION[k].default and v != []}
+        values = settings.read(given, "batch", strict=False)
     except Exception:  # noqa: BLE001 - a settings row from another version: fall back to defaults
-        return GenerationParams(), None
+        return {}, None
     if output is None:
-        return params, None
+        return values, None
     try:
-        grammar = api.constraint(output).grammar
+        api.constraint(output)
     except Exception:  # noqa: BLE001 - a spec this version refuses, or llguidance is gone: no constraint
-        return replace(params, grammar=None, grammar_trigger=None), None
-    return replace(params, grammar=grammar, grammar_trigger=None), output
+        return values, None
+    return values, output
 
 
-def _params_json(params: GenerationParams, output: dict[str, Any] | None = None) -> str:
-    data = params.to_dict()
-    data["stop"] = list(data["stop"])
+def _params_json(given: Mapping[str, Any], output: dict[str, Any] | None = None) -> str:
+    data: dict[str, Any] = {SETTINGS_KEY: {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}}
     if output is not None:
         data[OUTPUT_KEY] = output
     return json.dumps(data)
@@ -196,11 +202,11 @@ class ConversationStore:
         finally:
             db.close()
 
-    def create(self, model: str, system: str = "", params: GenerationParams | None = None,
+    def create(self, model: str, system: str = "", given: Mapping[str, Any] | None = None,
                title: str = "New chat") -> Conversation:
-        """A new, empty conversation."""
+        """A new, empty conversation with the settings the user set (`given`)."""
         now = time.time()
-        p = params or GenerationParams()
+        p = dict(given or {})
         with self._connect() as db:
             cur = db.execute(
                 "INSERT INTO conversations (title, model, system, params, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
@@ -280,12 +286,12 @@ class ConversationStore:
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
         return self.get(cid)
 
-    def update_settings(self, cid: int, system: str, params: GenerationParams,
+    def update_settings(self, cid: int, system: str, given: Mapping[str, Any],
                         output: dict[str, Any] | None = None) -> None:
-        """Save the system prompt, sampling settings and structured-output spec of a conversation."""
+        """Save the system prompt, the settings the user set and the structured-output spec of a conversation."""
         with self._connect() as db:
             db.execute("UPDATE conversations SET system = ?, params = ? WHERE id = ?",
-                       (system, _params_json(params, output), cid))
+                       (system, _params_json(given, output), cid))
 
     def set_model(self, cid: int, model: str) -> None:
         """Record the model a conversation continues with."""
@@ -366,8 +372,8 @@ def _copy_db(src: Path, dst: Path) -> None:
 
 def _conversation(row: Any, turns: tuple[Turn, ...] = (), message_count: int = 0) -> Conversation:
     """A Conversation from (id, title, model, system, params, updated)."""
-    params, output = _settings(row[4])
-    return Conversation(row[0], row[1], row[2], row[3], params, row[5], turns, message_count, output)
+    given, output = _settings(row[4])
+    return Conversation(row[0], row[1], row[2], row[3], given, row[5], turns, message_count, output)
 
 
 def _title(prompt: str) -> str:

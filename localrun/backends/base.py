@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from localrun.errors import BackendUnavailableError, LocalrunError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import Chunk, Request, TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ class Engine(Protocol):
 
     abilities: ClassVar[Abilities]  # the same as its Backend's
     n_ctx: int  # tokens per sequence
+    n_vocab: int  # tokens in the vocabulary (a logit bias may name any of them)
     n_slots: int
     can_copy: bool  # whether start() can copy a prefix from another slot's KV cache
     # How the model writes its thought apart from its answer (from its chat template and vocabulary,

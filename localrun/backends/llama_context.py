@@ -9,7 +9,7 @@ from typing import Any
 from localrun.backends.llama_loader import GGML_KV_TYPES, LOG, KvCacheReport, libggml, new_context
 from localrun.errors import EngineError, UsageError
 from localrun.fit import Shape, kv_cache_bytes
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 from localrun.store import ModelInfo
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0

@@ -38,7 +38,7 @@ from localrun.backends.llama_tokens import LlamaTokens
 from localrun.backends.llama_vision import Vision, image_start
 from localrun.errors import EngineError, LocalrunError, UsageError
 from localrun.fit import context_for
-from localrun.generation import GenerationParams, LoadOptions, default_threads
+from localrun.settings import GenerationParams, LoadOptions, default_threads
 from localrun.store import ModelInfo
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import token_logprob
-from localrun.generation import GenerationParams, TokenLogprob
+from localrun.generation import TokenLogprob
+from localrun.settings import GenerationParams
 
 
 class LlamaSampling:
@@ -42,12 +43,16 @@ class LlamaSampling:
         return int(self.ll.llama_sampler_sample(sampler, self.ctx, idx))
 
     def make_sampler(self, params: GenerationParams, seed: int) -> Any:
-        """The request's llama.cpp sampler chain; None for greedy decoding without penalties, whose
-        token sample() takes itself (free a chain with llama_sampler_free)."""
-        if params.temperature <= 0 and not params.penalized:
+        """The request's llama.cpp sampler chain in llama.cpp's order (logit bias, penalties, top-k,
+        typical, top-p, min-p, temperature); None for greedy decoding without penalties or biases,
+        whose token sample() takes itself (free a chain with llama_sampler_free)."""
+        if params.temperature <= 0 and not params.penalized and not params.logit_bias:
             return None
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.logit_bias:  # first, as llama.cpp's own chain has it
+            bias = (ll.llama_logit_bias * len(params.logit_bias))(*((t, b) for t, b in params.logit_bias))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), bias))
         if params.penalized:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
                 self.n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty))
@@ -56,6 +61,8 @@ class LlamaSampling:
             return chain
         if params.top_k > 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
+        if params.typical_p < 1.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_typical(params.typical_p, 1))
         if params.top_p < 1.0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
         if params.min_p > 0.0:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from localrun.backends.drafting import StepCost
 from localrun.backends.llama_draft import DraftModel, vocab_facts
 from localrun.errors import EngineError, UsageError
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 
 if TYPE_CHECKING:
     from localrun.backends.llama_cpp import _Seq

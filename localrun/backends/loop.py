@@ -26,8 +26,9 @@ from localrun.errors import (
     ServerBusyError,
     UsageError,
 )
-from localrun.generation import Chunk, GenerationParams, Request, TokenLogprob
+from localrun.generation import Chunk, Request, TokenLogprob
 from localrun.reasoning import Splitter
+from localrun.settings import GenerationParams
 from localrun.tools.lark import after_thought
 
 
@@ -128,9 +129,10 @@ class EngineLoop:
             if params.speculative and not self.engine.abilities.drafting:
                 raise UsageError(f"speculative decoding ('{params.speculative}') is not available on this engine",
                                  f"drop --draft, or use the {' or '.join(engines_with('drafting')) or 'other'} engine")
-            if params.speculative and params.think_budget is not None:
-                # a thought's budget ends it at an exact token; drafts could run past it within a step
-                params = dataclasses.replace(params, speculative=None)
+            beyond = [t for t, _ in params.logit_bias if t >= self.engine.n_vocab]
+            if beyond:
+                raise UsageError(f"logit_bias names token {beyond[0]}, and the vocabulary has {self.engine.n_vocab}",
+                                 f"use token ids below {self.engine.n_vocab}")
             if params.lora and not self.engine.abilities.request_adapters:
                 raise UsageError("this engine applies LoRA adapters when the model loads, not per request",
                                  "load the model with the adapter (--lora when it loads), or use "

@@ -19,7 +19,7 @@ from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
 from localrun.backends.drafting import DraftControl, PromptLookup, StepCost, worth_drafting
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.mlx_model import flat_rope, layers_prefix
-from localrun.backends.mlx_sampling import constrain, forcing, make_sampler, penalties
+from localrun.backends.mlx_sampling import biasing, constrain, forcing, make_sampler, penalties
 from localrun.backends.mlx_speculative import MLXDrafting, MLXDraftModel, SpecSeq
 from localrun.backends.mlx_text import MLXText
 from localrun.backends.mlx_vision import (
@@ -37,7 +37,8 @@ from localrun.errors import (
     UsageError,
 )
 from localrun.fit import context_for
-from localrun.generation import GenerationParams, LoadOptions, TokenLogprob
+from localrun.generation import TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 INSTALL_HINT = "install MLX with pip install 'localrun[mlx]' (Metal on Apple Silicon, mlx[cpu] on Linux)"
@@ -183,7 +184,7 @@ class MLXEngine(MLXText, MLXDrafting):
         self.n_ctx = context_for(model, options, n_train).tokens  # the trained context, if memory holds it
         self.n_train = n_train
         self.n_slots = options.n_parallel
-        self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        self.n_vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
                               or len(self.tokenizer.get_vocab()))
         self.template = self._chat_template()
         self.eos = set(self.tokenizer.eos_token_ids)
@@ -201,7 +202,7 @@ class MLXEngine(MLXText, MLXDrafting):
         from localrun.reasoning import detect
 
         self.reasoning = detect(self.template, lambda t: self.special_id(t) is not None)
-        self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.vocab_size,
+        self.grammars = Grammars(self._llg_tokenizer, self.special_id, self.n_vocab,
                                  lambda t: str(self.tokenizer.decode([t])))
         self.spec: dict[int, SpecSeq] = {}  # slot -> a sequence that drafts, beside the generator
         self.spec_counts: list[tuple[int, int]] = [(0, 0)] * self.n_slots  # drafted and kept, of one moved to it
@@ -281,7 +282,7 @@ class MLXEngine(MLXText, MLXDrafting):
             "device": device_name(self.mx),
             "n_layers": n_layers,
             "offloaded": f"{n_layers}/{n_layers}" if self.mx.default_device().type == self.mx.gpu else None,
-            "n_vocab": self.vocab_size,
+            "n_vocab": self.n_vocab,
             "chat_template": self.template is not None,
             "quantization": f"{quant['bits']}bit/g{quant['group_size']}" if isinstance(quant, dict) and "bits" in quant else None,
         }
@@ -335,6 +336,8 @@ class MLXEngine(MLXText, MLXDrafting):
             cache, keep = None, 0
         mx.random.seed(seed)
         processors = []
+        if params.logit_bias:
+            processors.append(biasing(mx, params.logit_bias))
         if params.penalized:
             processors.append(penalties(mx, params, len(tokens) - keep))
         grammar = self.grammars.state(params.grammar, params.grammar_trigger, params.budget(self.n_ctx, len(tokens)))
@@ -350,7 +353,7 @@ class MLXEngine(MLXText, MLXDrafting):
         self.logprobs[slot] = params.logprobs
         self.grammar[slot] = grammar
         self.spec_counts[slot] = (0, 0)
-        sampler = make_sampler(mx, params, self.vocab_size)
+        sampler = make_sampler(mx, params, self.n_vocab)
         if self.vision is not None:
             self.vision.start(slot, tokens, keep, cache, sampler, processors, params.logprobs)
             return keep

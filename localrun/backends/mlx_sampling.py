@@ -7,11 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from localrun.backends.grammar import GrammarState
-from localrun.generation import GenerationParams
+from localrun.settings import GenerationParams
 
 
 def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable[[Any], Any]:
-    """Sampling in llama.cpp's order (top-k, top-p, min-p, temperature) with mlx-lm's kernels."""
+    """Sampling in llama.cpp's order (top-k, typical, top-p, min-p, temperature) with mlx-lm's kernels."""
     from mlx_lm.sample_utils import (
         apply_min_p,
         apply_top_k,
@@ -25,6 +25,8 @@ def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable
     steps: list[Callable[[Any], Any]] = []
     if 0 < params.top_k < vocab_size:
         steps.append(lambda x: apply_top_k(x, params.top_k))
+    if params.typical_p < 1.0:
+        steps.append(lambda x: apply_typical(mx, x, params.typical_p))
     if params.top_p < 1.0:
         steps.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p > 0.0:
@@ -37,6 +39,39 @@ def make_sampler(mx: Any, params: GenerationParams, vocab_size: int) -> Callable
         return categorical_sampling(logprobs, temp)
 
     return sample
+
+
+def apply_typical(mx: Any, logprobs: Any, p: float) -> Any:
+    """Locally typical sampling as llama.cpp's typical sampler does it: the tokens whose surprise is
+    closest to the distribution's entropy, in that order, until their probability passes p (that
+    token kept, and at least one)."""
+    lp = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    probs = mx.exp(lp)
+    entropy = -mx.sum(mx.where(probs > 0, probs * lp, 0.0), axis=-1, keepdims=True)
+    order = mx.argsort(mx.abs(-lp - entropy), axis=-1)  # tokens already cut (-inf) come last
+    sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) <= p
+    keep = mx.put_along_axis(mx.zeros(lp.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
+    return mx.where(keep, logprobs, -float("inf"))
+
+
+def biasing(mx: Any, bias: tuple[tuple[int, float], ...]) -> Callable[[Any, Any], Any]:
+    """A logits processor that adds each (token, bias) to that token's logit; first in the chain,
+    as llama.cpp's logit-bias sampler."""
+    import numpy as np
+
+    vector: list[Any] = []
+
+    def process(tokens: Any, logits: Any) -> Any:
+        if not vector:  # the logits' width (a padded vocabulary) is known at the first call
+            dense = np.zeros(logits.shape[-1], dtype=np.float32)
+            for t, b in bias:
+                if t < dense.shape[0]:
+                    dense[t] = b
+            vector.append(mx.array(dense))
+        return logits + vector[0].astype(logits.dtype)
+
+    return process
 
 
 def constrain(mx: Any, grammar: GrammarState, n_fed: int) -> Callable[[Any, Any], Any]:

@@ -80,7 +80,7 @@ class MLXText:
     """MLXEngine's text <-> tokens half: mlx-lm's tokenizer and the model's chat template."""
 
     tokenizer: Any
-    vocab_size: int
+    n_vocab: int
     eos: set[int]
     model_info: ModelInfo
     template: str | None
@@ -115,7 +115,7 @@ class MLXText:
             detok = self.detokenizer()
             return "".join(detok.feed(t) for t in ids) + detok.flush()
 
-        return agreeing_tokenizer(backend, self.vocab_size, sorted(self.eos), self.model_info.name, emitted)
+        return agreeing_tokenizer(backend, self.n_vocab, sorted(self.eos), self.model_info.name, emitted)
 
     @functools.cached_property
     def piece(self) -> Callable[[int], bytes]:

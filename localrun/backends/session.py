@@ -20,7 +20,8 @@ from localrun.backends.base import Cancel, Embeddings, RowResult, TokenCounts
 from localrun.backends.channel import error_from_wire
 from localrun.backends.isolation import Child
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import Chunk, Request, TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 _EARLY: list[Child] = []  # engine processes started early, not yet taken

@@ -19,7 +19,8 @@ from typing import Any
 from localrun.backends.channel import Channel, Inbox, error_to_wire
 from localrun.backends.isolation import child_channel
 from localrun.errors import EngineError, LocalrunError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request, TokenLogprob
+from localrun.generation import Chunk, Request, TokenLogprob
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 

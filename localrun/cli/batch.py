@@ -17,9 +17,9 @@ from localrun.cli.options import (
     add_thinking_flags,
     add_tool_flags,
     check_think,
+    constraint_from_args,
     int_in,
     load_options_from_args,
-    params_from_args,
     target_from_args,
     think_from_args,
     tool_plan_from_args,
@@ -74,7 +74,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     continues. Exit status 1 if any row failed."""
     import dataclasses
 
-    from localrun import api
+    from localrun import api, settings
     from localrun import batch as batching
     from localrun.errors import UsageError
 
@@ -84,13 +84,16 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise UsageError("--ray-actors, --ray-cpus-per-actor, --ray-gpus-per-actor and --model-path need --ray")
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
-    params = params_from_args(args, target.defaults())
-    params, options = target.params(params, engine), target.load_options(options, engine)
+    model = target.model
+    plan = tool_plan_from_args(args, model)
+    settle = batching.settle(settings.from_args(args), target, engine, constraint_from_args(args), plan)
+    params = settle({}, None)
+    options = target.load_options(options, engine)
     think = think_from_args(args)
-    thinks = check_think(target.model, engine, think)
+    thinks = check_think(model, engine, think)
     fmt = batching.output_format(args.output, args.output_format or (args.format if args.format != "json" else None))
     batching.check_output(args.output, args.resume)
-    rows = batching.read_input(args.input, params, args.system, args.raw, think)
+    rows = batching.read_input(args.input, settle, args.system, args.raw, think)
     total = len(rows)
     if args.resume:
         done = batching.finished_ids(args.output, fmt)
@@ -100,12 +103,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not rows:
         report.summary()
         return 0
-    model = target.model
     if not thinks:
         rows = batching.refuse_thinking(rows, model.name)
-    plan = tool_plan_from_args(args, model)
     if plan is not None:
-        rows, params = batching.with_tools(rows, params, plan), plan.params(params)
+        rows = batching.with_tools(rows, plan)
     if target.preset is not None:  # the preset's system prompt, starting conversation and template
         rows = [dataclasses.replace(r, request=target.request(r.request)) if r.request is not None else r for r in rows]
     if args.ctx is None:  # just what the rows can use (the model's own context at most)

@@ -203,7 +203,7 @@ def _preset_load(preset: Any) -> Any:
     """The load options a preset sets (its num_ctx, ...), for the context `show` reports."""
     from dataclasses import replace
 
-    from localrun.generation import LoadOptions
+    from localrun.settings import LoadOptions
 
     options = LoadOptions()
     return replace(options, **preset.load_values()) if preset is not None and preset.load_values() else options

@@ -6,7 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from localrun.generation import KV_TYPES, GenerationParams, LoadOptions
+from localrun import settings
+from localrun.settings import LoadOptions, Setting
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
     from localrun.tools import ToolPlan
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
-GEN_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "max_tokens",
-             "think_budget", "draft_max", "draft_min", "draft_always")
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -35,18 +34,6 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
         return n
 
     return parse
-
-
-def _gpu_layers(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of layers, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {value!r}")
-    return n
 
 
 def cpu_moe_layers(value: str) -> int | str:
@@ -84,36 +71,64 @@ def stderr_bar(label: str, extra: str) -> Progress | None:
     return bar
 
 
-def add_generation_flags(p: argparse.ArgumentParser) -> None:
-    """Sampling and stopping flags (defaults come from GenerationParams)."""
+def _flag_type(s: Setting) -> Callable[[str], Any]:
+    """An argparse type that reads a flag's text by the table (settings.Setting.parse)."""
+    from localrun.errors import UsageError
+
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text, s.flag, "cli")
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(f"{e.hint or e.message}, got {text!r}") from None
+
+    return parse
+
+
+def _default_note(s: Setting) -> str:
+    if s.default in (None, (), False) or s.kind in ("drafter",):
+        return ""
+    shown = {True: "on", None: "auto"}.get(s.default, s.default) if s.kind == "switch" else s.default
+    return f" (default {shown})"
+
+
+def add_setting_flags(g: argparse._ActionsContainer, group: str, table: dict[str, Setting] | None = None) -> None:
+    """The flags of one group of settings, as settings.py declares them (name, type, check, help)."""
+    for s in (table if table is not None else settings.GENERATION).values():
+        flags = s.names.get("cli")
+        if not flags or s.group != group:
+            continue
+        # a load flag keeps the name argparse gives it (args.ctx); a generation one takes its field's
+        kwargs: dict[str, Any] = {"help": s.help + _default_note(s)}
+        if s.scope == "generation":
+            kwargs["dest"] = s.name
+        if s.kind == "bool":
+            kwargs.update(action="store_true", default=None)
+        elif s.kind in ("stops", "bias"):
+            kwargs.update(action="append", default=[], type=_flag_type(s))
+        elif s.choices:
+            kwargs.update(choices=s.choices, default=s.default if s.kind != "switch" else "auto")
+            if s.kind == "switch":
+                kwargs["type"] = str.lower
+        else:
+            kwargs.update(type=_flag_type(s), default=s.default if s.scope == "load" else None)
+        if s.metavar:
+            kwargs["metavar"] = s.metavar
+        g.add_argument(*flags, **kwargs)
+
+
+def add_generation_flags(p: argparse.ArgumentParser, system: bool = True) -> None:
+    """Sampling and stopping flags (from settings.py's table; unset flags leave a preset's, the model's
+    and localrun's defaults)."""
     g = p.add_argument_group("generation")
-    d = GenerationParams()
-    g.add_argument("--temperature", type=float, help=f"sampling temperature; 0 is greedy (default {d.temperature})")
-    g.add_argument("--top-p", type=float, help=f"nucleus sampling (default {d.top_p})")
-    g.add_argument("--top-k", type=int, help=f"keep the k most likely tokens; 0 disables (default {d.top_k})")
-    g.add_argument("--min-p", type=float, help=f"drop tokens below min-p x the top probability (default {d.min_p})")
-    g.add_argument("--repeat-penalty", type=float, help=f"penalty for repeated tokens; 1 disables (default {d.repeat_penalty})")
-    g.add_argument("--repeat-last-n", type=int, help=f"how many recent tokens the penalty sees (default {d.repeat_last_n})")
-    g.add_argument("--seed", type=int, help="random seed for reproducible sampling (default: random)")
-    g.add_argument("--max-tokens", "-n", type=int, help="stop after this many tokens (default: until the model stops)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
-    g.add_argument("--system", help="system prompt")
+    add_setting_flags(g, "generation")
+    if system:
+        g.add_argument("--system", help="system prompt")
     add_draft_flags(p)
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
     """Speculative decoding: how drafts are made and how long they may be."""
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", dest="speculative", metavar="lookup|MODEL",
-                   help="draft tokens and verify them in one batched step, with the same reply: 'lookup' drafts "
-                        "from the prompt and the reply so far (rewrites and edits that repeat their input gain "
-                        "most); a MODEL (a smaller one with the same vocabulary) drafts with that model")
-    g.add_argument("--draft-max", type=int_in(1, 64), metavar="N", help="tokens drafted per step at most (default 8)")
-    g.add_argument("--draft-min", type=int_in(1, 64), metavar="N",
-                   help="draft only when at least N tokens can be drafted (default 1)")
-    g.add_argument("--draft-always", action="store_true", default=None,
-                   help="keep drafting where the measured costs say it does not pay (by default a sequence stops "
-                        "drafting when its drafts cost more than they save)")
+    add_setting_flags(p.add_argument_group("speculative decoding"), "speculative decoding")
 
 
 def add_thinking_flags(p: argparse.ArgumentParser, hide: bool = True) -> None:
@@ -123,8 +138,7 @@ def add_thinking_flags(p: argparse.ArgumentParser, hide: bool = True) -> None:
                    help="turn the model's thinking on or off (default: as its chat template does)")
     g.add_argument("--think-effort", choices=("low", "medium", "high"),
                    help="how hard the model thinks, where its template takes an effort (gpt-oss)")
-    g.add_argument("--think-budget", type=int_in(0), metavar="N",
-                   help="end the thought after N tokens (the format's closing marker is inserted), then answer")
+    add_setting_flags(g, "thinking")
     if hide:
         g.add_argument("--hide-thinking", action="store_true", help="do not print the thought on stderr")
 
@@ -214,22 +228,12 @@ def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan 
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:
-    """Engine loading flags; the engines come from the registry (which engine can do what: 'localrun doctor')."""
+    """Engine loading flags (from settings.py's table); the engines come from the registry (which
+    engine can do what: 'localrun doctor')."""
     from localrun.backends.base import backend_names
 
     g = p.add_argument_group("engine")
-    g.add_argument("--ctx", type=int, help="context length in tokens per sequence (default: the model's trained context when memory "
-                        "holds it for every sequence; 'localrun show' says which)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: every core up to 4)")
-    g.add_argument("--gpu-layers", type=_gpu_layers, default="auto", metavar="N|auto",
-                   help="layers to offload to the GPU (default auto: all that fit)")
-    g.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
-                   help="flash attention (auto: the engine decides; on with a quantized --kv-type)")
-    add_kv_type_flag(g)
-    g.add_argument("--cpu-moe", type=cpu_moe_layers, default=0, metavar="N|all",
-                   help="mixture-of-experts models: keep the expert weights of the first N layers (all: every "
-                        "layer) in CPU memory, so that a model larger than the GPU runs (engines with expert "
-                        "offload, see 'localrun doctor'; an error on a model without experts)")
+    add_setting_flags(g, "engine", settings.LOAD)
     g.add_argument("--engine", choices=backend_names(), help="force an engine")
     g.add_argument("--mmproj", metavar="FILE",
                    help="a vision model's projector (mmproj GGUF), when the store does not record one with it")
@@ -239,10 +243,8 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_kv_type_flag(g: argparse._ActionsContainer) -> None:
-    """--kv-type: the KV cache's type (run, batch, tui, serve and eval)."""
-    g.add_argument("--kv-type", choices=KV_TYPES, default="f16",
-                   help="the KV cache's type: q8_0 takes about half the memory of f16 (the default), q4_0 about a "
-                        "quarter, at some cost in quality; llama.cpp turns flash attention on for them")
+    """--kv-type alone (eval takes it without the other engine flags)."""
+    add_setting_flags(g, "engine", {"kv_type": settings.LOAD["kv_type"]})
 
 
 def target_from_args(args: argparse.Namespace, engine: str | None = None) -> tuple[Target, str]:
@@ -267,18 +269,6 @@ def _check_cpu_moe(args: argparse.Namespace, engine: str | None) -> None:
         copies = [f"{' or '.join(backend_class(n).formats).upper()} copy of the model on {n}" for n in able]
         raise UsageError(f"--cpu-moe works only with the {' or '.join(able) or 'no'} engine, and {engine} cannot "
                          "place expert weights apart", f"drop --cpu-moe{', or run a ' + copies[0] if copies else ''}")
-
-
-def params_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> GenerationParams:
-    """GenerationParams from parsed flags; unset flags keep the defaults (a preset's, then localrun's)."""
-    values: dict[str, Any] = {k: getattr(args, k) for k in GEN_FLAGS if getattr(args, k, None) is not None}
-    if getattr(args, "speculative", None) is not None:
-        values["speculative"] = "lookup" if args.speculative == "lookup" else "model"
-    if hasattr(args, "schema"):
-        c = constraint_from_args(args)
-        if c is not None:
-            values["grammar"] = c.grammar
-    return GenerationParams.layered(defaults, {"stop": tuple(getattr(args, "stop", []) or ()), **values})
 
 
 def load_options_from_args(args: argparse.Namespace, n_parallel: int = 1) -> LoadOptions:

@@ -16,8 +16,8 @@ from localrun.cli.options import (
     add_thinking_flags,
     add_tool_flags,
     check_think,
+    constraint_from_args,
     load_options_from_args,
-    params_from_args,
     target_from_args,
     think_from_args,
     tool_plan_from_args,
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from localrun.backends.base import Session
-    from localrun.generation import Chunk, GenerationParams, Request
+    from localrun.generation import Chunk, Request
+    from localrun.settings import GenerationParams
     from localrun.store import ModelInfo
     from localrun.tools import ToolPlan
 
@@ -61,12 +62,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from localrun import api
+    from localrun import api, settings
     from localrun.errors import UsageError
     from localrun.generation import Request
     from localrun.images import read_file as read_image
 
-    params = params_from_args(args)
+    given = settings.from_args(args)
+    constraint = constraint_from_args(args)
     options = load_options_from_args(args)
     think = think_from_args(args)
     prompt = args.prompt
@@ -87,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     model = target.model
     plan = tool_plan_from_args(args, model)
     _check_think(model, engine, think)
-    params = target.params(params_from_args(args, target.defaults()), engine)
+    params = settings.resolve(given, target, engine, constraint=constraint, tools=plan)
     name = target.preset_name or model.name
     session = api.load(model, target.load_options(options, engine), engine=engine)
     warning = session.info().get("warning")
@@ -105,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system,
                                                                                         images=images)
         if plan is not None:
-            request, params = plan.request(request.messages), plan.params(params)
+            request = plan.request(request.messages)
         if not args.raw:
             request = target.request(dataclasses.replace(request, think=think))
         return _answer(session, name, request, params, args, plan)

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from localrun.cli.options import (
     MAX_PARALLEL,
+    add_generation_flags,
     add_load_flags,
-    draft_model_path,
+    add_setting_flags,
     int_in,
     load_options_from_args,
 )
@@ -57,11 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
     m.add_argument("--keep-alive", type=_duration, default=300.0, metavar="DURATION",
                    help="how long a model stays loaded after its last request: seconds, '5m', '1h', -1 for forever (default 5m)")
-    m.add_argument("--draft", metavar="lookup|MODEL", help="speculative decoding for every request that does not "
-                   "ask otherwise (its `speculative` field): 'lookup' drafts from the prompt and the reply so far; "
-                   "a MODEL drafts for the models whose vocabulary it shares")
-    m.add_argument("--draft-always", action="store_true", help="keep drafting where the measured costs say it does "
-                   "not pay (by default a sequence stops drafting when its drafts cost more than they save)")
+    # Generation flags are the server's defaults: under each request's own settings, its preset's and its
+    # model's. --draft MODEL drafts for the models whose vocabulary it shares.
+    add_generation_flags(p, system=False)
+    add_setting_flags(p.add_argument_group("thinking models"), "thinking")
     add_load_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -117,21 +117,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise UsageError(f"invalid value for --max-queue: {args.max_queue}", "expected an integer >= 0 (0: unbounded)")
     options = dataclasses.replace(load_options_from_args(args, n_parallel=args.parallel), max_queue=args.max_queue,
-                                  draft=draft_model_path(args.draft), draft_optional=True)
+                                  draft_optional=True)
     key = args.api_key or os.environ.get("LOCALRUN_API_KEY") or None
     origins = tuple(o for value in args.origins for o in value.split(",") if o.strip())
     sock = bind(args.host, args.port)
     try:
         import uvicorn
 
-        from localrun import api
+        from localrun import api, settings
         from localrun.server import is_loopback
         from localrun.server.app import ServerConfig, create_app
 
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
-                              lora=_default_adapters(args.lora),
-                              draft=None if args.draft is None else "lookup" if args.draft == "lookup" else "model",
-                              draft_always=args.draft_always,
+                              lora=_default_adapters(args.lora), settings=settings.from_args(args),
                               media_dir=os.path.realpath(args.media_dir) if args.media_dir else None,
                               allow_fetch=args.allow_fetch)
         err = sys.stderr

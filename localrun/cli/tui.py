@@ -8,8 +8,8 @@ from typing import Any
 from localrun.cli.options import (
     add_generation_flags,
     add_load_flags,
+    add_setting_flags,
     load_options_from_args,
-    params_from_args,
 )
 
 
@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="open straight into a chat with this model")
     p.add_argument("--light", action="store_true", help="start with the light theme")
     add_generation_flags(p)
+    add_setting_flags(p.add_argument_group("thinking models"), "thinking")
     add_load_flags(p)
     p.set_defaults(func=cmd_tui)
 
@@ -35,6 +36,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 def app_from_args(args: argparse.Namespace) -> Any:
     """The app with the command line's settings (flags are validated here, before the UI starts)."""
+    from localrun import settings
     from localrun.errors import UsageError
     from tui.app import LocalrunApp
 
@@ -46,8 +48,10 @@ def app_from_args(args: argparse.Namespace) -> Any:
         from localrun import api
 
         model = api.resolve_target(model, lora).name  # checked now; the chat runs base+adapter
+    given = settings.from_args(args)
+    settings.resolve(given)  # values that fail only together (draft min over max) fail here, not in a chat
     return LocalrunApp(
-        params=params_from_args(args),
+        settings=given,
         load_options=load_options_from_args(args),
         engine=getattr(args, "engine", None),
         system=getattr(args, "system", None),

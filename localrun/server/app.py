@@ -144,6 +144,7 @@ class ApiKey:
 def error_response(request: HttpRequest, error: LocalrunError, param: str | None = None) -> JSONResponse:
     """A localrun error in the shape of the request's API family."""
     if errors.is_openai_path(request.url.path):
+        param = param or getattr(error, "param", None)
         return JSONResponse(errors.openai_body(error, param), status_code=errors.openai_status(error))
     return JSONResponse(errors.ollama_body(error), status_code=errors.ollama_status(error))
 

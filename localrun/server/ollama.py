@@ -17,11 +17,11 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from localrun import api, units
+from localrun import api, settings, units
 from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
-from localrun.generation import Chunk, GenerationParams, Request
+from localrun.generation import Chunk, Request
 from localrun.server import display_name, errors, resolve_model, resolve_target
 from localrun.server.schemas import (
     OllamaChatRequest,
@@ -45,10 +45,11 @@ from localrun.server.streams import (
     embed,
     fit_vector,
     pool_of,
+    resolve,
     run_blocking,
     start_run,
-    with_draft,
 )
+from localrun.settings import GenerationParams
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
 
@@ -272,17 +273,15 @@ async def chat(body: OllamaChatRequest, request: HttpRequest) -> Response:
     """The next assistant message; an empty message list loads (or, keep_alive 0, unloads) the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
+    plan = ToolPlan.make(api.chat_template(model), body.tools, None)
+    params = await resolve(request, target, body.settings(), body.constraint(), plan)
     think = await _think(body, model)
     if not body.messages:
         return await _load_or_unload(request, body, model, {"message": {"role": "assistant", "content": ""}})
-    plan = ToolPlan.make(api.chat_template(model), body.tools, None)
     messages = parse_messages([_message(m) for m in body.messages])
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     req = dataclasses.replace(req, think=think)
     await check_images(request, req, model, body.model)
-    if plan:
-        params = plan.params(params)
     return await _answer(request, body, target, req, params, "message", plan)
 
 
@@ -292,7 +291,7 @@ async def generate_(body: OllamaGenerateRequest, request: HttpRequest) -> Respon
     or unloads the model."""
     target = await _target(request, body.required_model(), body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
+    params = await resolve(request, target, body.settings(), body.constraint())
     think = await _think(body, model)
     if not body.prompt:
         return await _load_or_unload(request, body, model, {"response": ""})
@@ -366,7 +365,7 @@ async def show(body: OllamaShowRequest, request: HttpRequest) -> dict[str, Any]:
             for k, v in meta.items()}
     if model.parameters:
         info.setdefault("general.parameter_count", model.parameters)
-    d = GenerationParams.layered(target.defaults(), {})
+    d = settings.resolve(target=target, defaults=config_of(request).settings)
     pool = pool_of(request)
     preset = target.preset
     engine = await asyncio.to_thread(api.choose_engine, model, pool.engine) if preset else None

@@ -22,7 +22,7 @@ from localrun import api
 from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
-from localrun.generation import Chunk, GenerationParams, Request
+from localrun.generation import Chunk, Request
 from localrun.server import display_name, errors, resolve_model, resolve_target
 from localrun.server.schemas import (
     ChatCompletionRequest,
@@ -39,9 +39,9 @@ from localrun.server.streams import (
     embed,
     fit_vector,
     pool_of,
+    resolve,
     run_blocking,
     start_run,
-    with_draft,
 )
 from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
@@ -68,13 +68,6 @@ def _sse_template(obj: Any) -> tuple[bytes, bytes]:
 
 def _finish(reason: str | None) -> str:
     return reason if reason in ("stop", "length") else "stop"
-
-
-def _seeded(params: GenerationParams, i: int) -> GenerationParams:
-    """The settings of choice i: different seeds when a seed was given, so choices differ."""
-    if i == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % 2**32)
 
 
 def _message(message: ChatMessage, i: int, config: Any = None) -> dict[str, Any]:
@@ -245,17 +238,15 @@ async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) ->
     """A chat reply (n of them), streamed as Server-Sent Events or as one JSON object."""
     target = await _target(request, body.model, body.lora)
     model = target.model
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
     plan = ToolPlan.make(api.chat_template(model), body.tools, body.tool_choice, body.parallel_tool_calls)
+    params = await resolve(request, target, body.settings(), body.constraint(), plan)
     config = config_of(request)
     messages = await asyncio.to_thread(
         lambda: parse_messages([_message(m, i, config) for i, m in enumerate(body.messages)]))
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     req = dataclasses.replace(req, think=body.think, template_kwargs=dict(body.chat_template_kwargs or {}))
     await check_images(request, req, model, body.model)
-    if plan:
-        params = plan.params(params)
-    jobs = [Job(req, _seeded(params, i)) for i in range(body.n)]
+    jobs = [Job(req, params.choice(i)) for i in range(body.n)]
     run = start_run(request, target, jobs, None, stream=body.stream)
     await run.begin()
     name = display_name(target.name)
@@ -382,11 +373,10 @@ async def _sse_stream(events: AsyncIterator[bytes], run: Run, jobs: list[Job], b
 async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
     """Plain-text continuations of each prompt (n per prompt), streamed or as one JSON object."""
     target = await _target(request, body.model, body.lora)
-    params = with_draft(body.generation(target.defaults()), body.speculative, config_of(request))
-    if body.echo and body.logprobs is not None:
-        raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
+    # max_tokens 16 is OpenAI's default for text completions: under every other layer
+    params = await resolve(request, target, body.settings(), body.constraint(), fallback={"max_tokens": 16})
     prompts = body.prompts()
-    jobs = [Job(Request.raw(p), _seeded(params, j), k) for k, p in enumerate(prompts) for j in range(body.n)]
+    jobs = [Job(Request.raw(p), params.choice(j), k) for k, p in enumerate(prompts) for j in range(body.n)]
     run = start_run(request, target, jobs, None, stream=body.stream)
     await run.begin()
     name = display_name(target.name)

@@ -1,4 +1,6 @@
-"""Request bodies of both API families (pydantic), and their translation to GenerationParams.
+"""Request bodies of both API families (pydantic). Their generation settings are fields made from
+settings.py's table (each setting under its name in the API), read back by `settings()` with the
+table's checks; settings.resolve then decides them once.
 
 Unknown fields are ignored, as OpenAI's and Ollama's own servers do with fields they do not
 know; fields that would change the answer and that localrun cannot honour are refused.
@@ -7,18 +9,18 @@ know; fields that would change the answer and that localrun cannot honour are re
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
+from localrun import settings
 from localrun.constraint import Constraint
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams, LoadOptions
 from localrun.server import parse_duration
+from localrun.settings import LoadOptions
 
 MAX_N = 16  # choices per request (each one is a sequence in the engine)
-SEED_LIMIT = 2**32
 
 
 def _has_lone_surrogate(data: Any) -> bool:
@@ -62,6 +64,45 @@ class _Request(_Body):
         return data
 
 
+# JSON's kinds for each kind of setting: pydantic checks the kind, the table the range.
+_WIRE: dict[str, Any] = {"float": float, "int": int, "bool": bool, "stops": str | list[str], "bias": dict[str, Any],
+                         "drafter": bool | str, "text": str, "choice": str}
+
+
+def _with_settings(front: str, base: type[BaseModel], only: tuple[str, ...] = ()) -> Any:
+    """`base` with a field for each setting the API names (settings.named; `only` those), and one
+    for each field of the API that localrun refuses (settings.REFUSED), so a request that sets it
+    can be refused."""
+    fields: dict[str, Any] = {name: (_WIRE[s.kind] | None, None) for name, s in settings.named(front).items()
+                              if not only or name in only}
+    if not only:
+        fields.update({name: (Any, None) for name in settings.REFUSED.get(front, {})})
+    return create_model(f"{base.__name__}_{front}", __base__=base, **fields)
+
+
+class _Settings(_Request):
+    """A body with the table's fields for its API (FRONT)."""
+
+    FRONT: ClassVar[str] = ""
+
+    def settings(self) -> dict[str, Any]:
+        """The settings this body gives, by field name, checked by the table; refused fields are a 400."""
+        return _given(self, self.FRONT)
+
+
+def _given(body: BaseModel, front: str, scope: str | None = None) -> dict[str, Any]:
+    names = settings.named(front, scope)
+    values = {k: getattr(body, k) for k in body.model_fields_set if k in names or k in settings.REFUSED.get(front, {})}
+    settings.refuse(front, values)
+    return settings.read({k: v for k, v in values.items() if k in names}, front)
+
+
+if TYPE_CHECKING:
+    _OpenAISettings = _Settings
+else:
+    _OpenAISettings = _with_settings("openai", _Settings)
+
+
 # -- OpenAI ---------------------------------------------------------------------------------
 
 
@@ -91,43 +132,15 @@ class LoraRef(_Body):
     scale: Annotated[float, Field(allow_inf_nan=False)] = 1.0
 
 
-class Sampling(_Request):
-    """Sampling and stopping fields common to chat and text completions."""
+class Sampling(_OpenAISettings):
+    """The fields common to chat and text completions; the sampling and stopping ones come from the table."""
 
+    FRONT: ClassVar[str] = "openai"
     lora: list[LoraRef] | None = None
-    temperature: Annotated[float | None, Field(ge=0)] = None
-    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
-    top_k: Annotated[int | None, Field(ge=0)] = None
-    repeat_penalty: Annotated[float | None, Field(gt=0)] = None
-    seed: Annotated[int | None, Field(lt=SEED_LIMIT)] = None
-    stop: str | list[str] | None = None
-    max_tokens: Annotated[int | None, Field(ge=1)] = None
-    presence_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
-    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    speculative: bool | Literal["lookup", "model", "none", "off"] | None = None  # speculative decoding (an extension)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-
-    def stops(self) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return tuple(s for s in stops if s)
-
-    def params(self, max_tokens: int | None, logprobs: int | None,
-               defaults: dict[str, Any] | None = None) -> GenerationParams:
-        """GenerationParams from the fields the client set; the rest keep the preset's, then localrun's, defaults."""
-        values: dict[str, Any] = {k: getattr(self, k) for k in (
-            "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
-            if getattr(self, k) is not None}
-        if self.seed is not None and self.seed >= 0:  # a negative seed means random, as in llama.cpp
-            values["seed"] = self.seed
-        if max_tokens is not None:
-            values["max_tokens"] = max_tokens
-        if logprobs is not None:
-            values["logprobs"] = logprobs
-        return GenerationParams.layered(defaults, {"stop": self.stops(), **values})
 
     @property
     def include_usage(self) -> bool:
@@ -137,7 +150,6 @@ class Sampling(_Request):
 class ChatCompletionRequest(Sampling):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     tools: list[Any] | None = None
@@ -147,7 +159,6 @@ class ChatCompletionRequest(Sampling):
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template, as llama-server does
-    think_budget: Annotated[int | None, Field(ge=0)] = None  # tokens of thought
 
     @property
     def think(self) -> bool | str | None:
@@ -158,15 +169,13 @@ class ChatCompletionRequest(Sampling):
             return False
         return "low" if self.reasoning_effort == "minimal" else self.reasoning_effort
 
-    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
+    def settings(self) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
             raise UsageError("top_logprobs needs logprobs", "set logprobs to true")
-        params = self.params(self.max_completion_tokens or self.max_tokens,
-                             (self.top_logprobs or 0) if self.logprobs else None, defaults)
-        if self.think_budget is not None:
-            params = replace(params, think_budget=self.think_budget)
-        constraint = response_constraint(self.response_format)
-        return replace(params, grammar=constraint.grammar) if constraint is not None else params
+        return {**super().settings(), **({"logprobs": self.top_logprobs or 0} if self.logprobs else {})}
+
+    def constraint(self) -> Constraint | None:
+        return response_constraint(self.response_format)
 
 
 def response_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
@@ -206,15 +215,17 @@ class CompletionRequest(Sampling):
     def prompts(self) -> list[str]:
         return _texts(self.prompt, "prompt")
 
-    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
+    def settings(self) -> dict[str, Any]:
         if self.suffix:
             raise UsageError("suffix (fill-in-the-middle) is not supported yet", "send the request without suffix")
         if self.best_of not in (None, 1, self.n):
             raise UsageError("best_of is not supported", "use n to get several completions")
-        max_tokens = self.max_tokens if self.max_tokens is not None else (defaults or {}).get("max_tokens", 16)
-        params = self.params(max_tokens, self.logprobs, defaults)
-        constraint = response_constraint(self.response_format)  # an extension, as llama-server has
-        return replace(params, grammar=constraint.grammar) if constraint is not None else params
+        if self.echo and self.logprobs is not None:
+            raise UsageError("echo with logprobs is not supported", "drop echo or logprobs")
+        return {**super().settings(), **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
+
+    def constraint(self) -> Constraint | None:
+        return response_constraint(self.response_format)  # an extension, as llama-server has
 
 
 class EmbeddingRequest(_Request):
@@ -249,50 +260,26 @@ class _Named(_Request):
         return self.model.strip()
 
 
-class OllamaOptions(_Body):
-    """The options Ollama accepts. Of the load-time ones, num_ctx (the least context per sequence
-    the request needs) and kv_cache_type (localrun's extension: Ollama sets the cache type for the
-    whole server, OLLAMA_KV_CACHE_TYPE) choose the loaded instance that answers; the others
-    (num_gpu, num_thread, ...) follow the server's settings and are ignored."""
+if TYPE_CHECKING:
+    _OllamaSettings = _Body
+else:
+    _OllamaSettings = _with_settings("ollama", _Body)
 
-    num_ctx: Annotated[int | None, Field(ge=16, le=1 << 22)] = None
-    kv_cache_type: Literal["f16", "q8_0", "q4_0"] | None = None  # generation.KV_TYPES
 
-    temperature: Annotated[float | None, Field(ge=0)] = None
-    top_p: Annotated[float | None, Field(gt=0, le=1)] = None
-    min_p: Annotated[float | None, Field(ge=0, le=1)] = None
-    top_k: Annotated[int | None, Field(ge=0)] = None
-    repeat_penalty: Annotated[float | None, Field(gt=0)] = None
-    repeat_last_n: Annotated[int | None, Field(ge=-1)] = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: Annotated[int | None, Field(lt=SEED_LIMIT)] = None
-    num_predict: int | None = None
-    stop: str | list[str] | None = None
-    think_budget: Annotated[int | None, Field(ge=0)] = None
+class OllamaOptions(_OllamaSettings):
+    """The options Ollama accepts (the table's fields under their Ollama names). Of the load-time
+    ones, num_ctx (the least context per sequence the request needs) and kv_cache_type (localrun's
+    extension: Ollama sets the cache type for the whole server, OLLAMA_KV_CACHE_TYPE) choose the
+    loaded instance that answers; the others (num_gpu, num_thread, ...) follow the server's
+    settings and are ignored (settings.IGNORED)."""
 
     def load_options(self, base: LoadOptions) -> LoadOptions | None:
         """The server's load options with this request's num_ctx and kv_cache_type (None: neither is set)."""
-        if self.num_ctx is None and self.kv_cache_type is None:
-            return None
-        return replace(base, n_ctx=self.num_ctx or base.n_ctx, kv_type=self.kv_cache_type or base.kv_type)
+        load = _given(self, "ollama", "load")
+        return replace(base, **load) if load else None
 
-    def params(self, logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> GenerationParams:
-        values: dict[str, Any] = {k: getattr(self, k) for k in (
-            "temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty")
-            if getattr(self, k) is not None}
-        if self.repeat_last_n is not None and self.repeat_last_n >= 0:
-            values["repeat_last_n"] = self.repeat_last_n
-        if self.seed is not None and self.seed >= 0:  # Ollama's default seed is -1: random
-            values["seed"] = self.seed
-        if self.num_predict is not None and self.num_predict > 0:  # -1 and -2: no limit but the context
-            values["max_tokens"] = self.num_predict
-        if logprobs is not None:
-            values["logprobs"] = logprobs
-        if self.think_budget is not None:
-            values["think_budget"] = self.think_budget
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return GenerationParams.layered(defaults, {"stop": tuple(s for s in stops if s), **values})
+    def settings(self) -> dict[str, Any]:
+        return _given(self, "ollama", "generation")
 
 
 class _Loading(_Named):
@@ -304,30 +291,37 @@ class _Loading(_Named):
         return None if self.keep_alive is None else parse_duration(self.keep_alive)
 
 
-class OllamaGenerating(_Loading):
+# localrun's extensions that Ollama's requests also take beside their options: thought budget, drafts
+_OLLAMA_TOP = ("think_budget", "speculative")
+if TYPE_CHECKING:
+    _OllamaTop = _Loading
+else:
+    _OllamaTop = _with_settings("ollama", _Loading, only=_OLLAMA_TOP)
+
+
+class OllamaGenerating(_OllamaTop):
     """Fields common to /api/chat and /api/generate."""
 
     lora: list[LoraRef] | None = None
     stream: bool = True
     format: Any = None
     think: bool | Literal["low", "medium", "high"] | None = None
-    think_budget: Annotated[int | None, Field(ge=0)] = None  # tokens of thought (also accepted in options)
-    speculative: bool | Literal["lookup", "model", "none", "off"] | None = None  # speculative decoding (an extension)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 
-    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
-        params = self.options.params(self.top_logprobs if self.logprobs else None, defaults)
-        if self.think_budget is not None:
-            params = replace(params, think_budget=self.think_budget)
-        constraint = None
+    def settings(self) -> dict[str, Any]:
+        """The options' settings, with the top-level think_budget and speculative over them."""
+        top = settings.read({k: getattr(self, k) for k in _OLLAMA_TOP if k in self.model_fields_set}, "ollama")
+        return {**self.options.settings(), **top, **({"logprobs": self.top_logprobs} if self.logprobs else {})}
+
+    def constraint(self) -> Constraint | None:
         if self.format == "json":
-            constraint = Constraint.json_object()
-        elif isinstance(self.format, dict):
-            constraint = Constraint.schema(self.format, "format schema")
-        elif self.format not in (None, ""):
+            return Constraint.json_object()
+        if isinstance(self.format, dict):
+            return Constraint.schema(self.format, "format schema")
+        if self.format not in (None, ""):
             raise UsageError(f"format must be \"json\" or a JSON schema, not {self.format!r}")
-        return replace(params, grammar=constraint.grammar) if constraint is not None else params
+        return None
 
 
 class OllamaMessage(_Body):
@@ -354,14 +348,14 @@ class OllamaGenerateRequest(OllamaGenerating):
     raw: bool = False
     images: list[str] | None = None
 
-    def generation(self, defaults: dict[str, Any] | None = None) -> GenerationParams:
+    def settings(self) -> dict[str, Any]:
         if self.raw and (self.template or self.system or self.context):
             raise UsageError("raw mode does not support template, system, or context")
         if self.suffix:
             raise UsageError(f"'{self.model}' does not support insert (suffix)", "send the request without suffix")
         if self.context:
             raise UsageError("context (token arrays from an earlier reply) is not supported", "use /api/chat with messages")
-        return super().generation(defaults)
+        return super().settings()
 
 
 class OllamaEmbedRequest(_Loading):

@@ -8,12 +8,11 @@ that disconnects cancels its run, so the engine frees its sequences at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,16 +20,19 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from localrun import api
+from localrun import api, settings
 from localrun.errors import EngineError, LocalrunError, UsageError
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, Request
 from localrun.server import display_name, is_loopback
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 
 if TYPE_CHECKING:
     from localrun.adapters import Target
     from localrun.backends.base import Embeddings
+    from localrun.constraint import Constraint
     from localrun.pool import Pool
+    from localrun.tools import ToolPlan
 
 MAX_BODY = 32 << 20  # bytes; a bigger request body gets 413
 T = TypeVar("T")
@@ -74,8 +76,9 @@ class ServerConfig:
     # `serve --lora`: adapters (store name, scale) that requests for their base model run with
     # when they name no adapters of their own
     lora: tuple[tuple[str, float], ...] = ()
-    draft: str | None = None  # `serve --draft`: speculative decoding ("lookup" or "model") for requests that do not say
-    draft_always: bool = False  # `serve --draft-always`: drafting does not turn itself down
+    # `serve`'s generation flags (--temperature, --draft, ...): settings under every request's,
+    # its preset's and its model's (settings.resolve's defaults)
+    settings: Mapping[str, Any] = field(default_factory=dict)
     media_dir: str | None = None  # `serve --media-dir`: where OpenAI file:// image URLs may point
     allow_fetch: bool = False  # `serve --allow-fetch`: OpenAI image URLs over http(s) are fetched
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
@@ -100,18 +103,13 @@ async def check_images(request: HttpRequest, req: Request, model: ModelInfo, nam
                              "'localrun add MODEL.gguf --mmproj FILE')")
 
 
-def with_draft(params: GenerationParams, asked: str | bool | None, config: ServerConfig) -> GenerationParams:
-    """A request's speculative decoding: its own `speculative` ("lookup", "model" for the draft
-    model loaded with the model, true for the server's drafter or else lookup, false/"none" for
-    off), else the preset's, else the server's (`serve --draft`, and `--draft-always`)."""
-    default = config.draft
-    if config.draft_always and not params.draft_always:
-        params = dataclasses.replace(params, draft_always=True)
-    if asked is None:
-        return params if params.speculative or not default else dataclasses.replace(params, speculative=default)
-    if asked is False or asked in ("none", "off"):
-        return dataclasses.replace(params, speculative=None)
-    return dataclasses.replace(params, speculative=(default or "lookup") if asked is True else str(asked))
+async def resolve(request: HttpRequest, target: Target, given: Mapping[str, Any], constraint: Constraint | None = None,
+                  tools: ToolPlan | None = None, fallback: Mapping[str, Any] | None = None) -> GenerationParams:
+    """A request's settings, decided once (settings.resolve) for the engine that will run its model:
+    what it gives over its preset's, its model's and the server's (over the API's own `fallback`)."""
+    engine = await asyncio.to_thread(api.choose_engine, target.model, pool_of(request).engine)
+    defaults = settings.layers(fallback, config_of(request).settings)
+    return settings.resolve(given, target, engine, defaults=defaults, constraint=constraint, tools=tools)
 
 
 # -- the bridge from the engine's threads to asyncio --------------------------------------------
@@ -277,14 +275,13 @@ def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive:
     def worker(job: Job) -> Worker:
         def work(run: Run, emit: Emit) -> None:
             t0 = time.perf_counter()
-            with api.use_target(pool, target, keep_alive, options) as (session, engine):
+            with api.use_target(pool, target, keep_alive, options) as (session, _):
                 run.load_seconds = max(run.load_seconds, time.perf_counter() - t0)
                 if run.cancel.is_set():
                     return
                 # Chunks go from the engine's reader thread straight to the event loop; this
                 # thread only holds the model until the request ends.
-                ticket = session.start(target.request(job.request), target.params(job.params, engine), emit,
-                                       stream)
+                ticket = session.start(target.request(job.request), job.params, emit, stream)
                 run.on_cancel(ticket.cancel)
                 ticket.wait()
                 if ticket.error is not None:

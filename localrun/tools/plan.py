@@ -39,18 +39,11 @@ class ToolPlan:
         prepared = self.format.prepare(list(messages), list(self.tools), self.choice)
         return Request(messages=tuple(prepared), tools=self.tools if self.format.native else ())
 
-    def params(self, params: Any) -> Any:
-        """The generation settings with the call grammar (lazy under "auto" on native formats)."""
-        import dataclasses
-
+    def constraint(self) -> tuple[str, str | None] | None:
+        """The call grammar and its trigger (a lazy grammar under "auto" on native formats), or None
+        where the model may answer freely; settings.resolve puts it in the request's settings."""
         # A named function is one call of it; more calls only when asked for and the choice allows.
-        c = self.format.constraint(list(self.tools), self.choice, self.parallel and self.choice in ("auto", "required"))
-        if c is not None and params.grammar is not None:
-            raise UsageError("a response format cannot be combined with tools",
-                             "drop response_format/format, or set tool_choice to none")
-        if c is None:
-            return dataclasses.replace(params, special=True)
-        return dataclasses.replace(params, grammar=c[0], grammar_trigger=c[1], special=True)
+        return self.format.constraint(list(self.tools), self.choice, self.parallel and self.choice in ("auto", "required"))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.choice == "none":

@@ -189,7 +189,7 @@ def _summary(d: dict[str, Any]) -> ImatrixSummary:
 
 def _compute(request: dict[str, Any], progress: ProgressCallback | None) -> ImatrixSummary:
     from localrun.backends.llama_loader import library, load_model, model_file, model_params
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     start = time.monotonic()
     ll = library()

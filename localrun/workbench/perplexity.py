@@ -125,7 +125,7 @@ def evaluate(
                          f"try --batch-size {max(n_ctx, n_batch // n_ctx * n_ctx)}")
     if chunks is not None and chunks < 1:
         raise UsageError(f"--chunks {chunks} must be at least 1")
-    from localrun.generation import LoadOptions
+    from localrun.settings import LoadOptions
 
     LoadOptions(kv_type=kv_type)  # the same check as a model load's
     text_p = Path(text_path)
@@ -188,7 +188,7 @@ def _llama() -> Any:
 
 
 def _default_threads() -> int:
-    from localrun.generation import default_threads
+    from localrun.settings import default_threads
 
     return default_threads()
 

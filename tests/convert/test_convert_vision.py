@@ -41,7 +41,8 @@ import convert
 from convert.archs import llava_clip
 from localrun import api
 from localrun.backends import llama_vision
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from tests.conftest import run_cli
 from tests.vision_models import (
     CLIP_MEAN,

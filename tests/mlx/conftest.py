@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from localrun import api
-from localrun.generation import Chunk, GenerationParams, LoadOptions, Request
+from localrun.generation import Chunk, Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import Store
 
 from ..conftest import STORIES, assets_or_skip

@@ -10,7 +10,8 @@ import pytest
 
 from localrun.chat import PLAIN_STOPS, parse_messages, render_plain, render_template
 from localrun.errors import ContextOverflowError
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams
 
 from ..test_llama_backend import cancel_late_tokens
 from .conftest import ENGINES, N_CTX, TEMPLATE, Models, collect, torch_greedy
@@ -142,6 +143,68 @@ def test_repeat_penalty_matches_reference(models: Models, plain: Any) -> None:
     text, _, _ = collect(plain, Request.raw(prompt),
                          GenerationParams(temperature=0, max_tokens=40, repeat_penalty=1.5, repeat_last_n=64))
     assert text == expected and text != plain_text
+
+
+def _torch_steps(models: Models, prompt: str, n: int, pick: Any) -> str:
+    """The PyTorch reference's continuation where `pick(logits)` chooses each next token."""
+    import torch
+
+    from .conftest import _torch_model
+
+    ids = raw_ids(models, prompt)
+    model = _torch_model(str(models.plain.hf))
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(pick(model(torch.tensor([seq])).logits[0, -1].double())))
+    tok = _tokenizer(models)
+    return tok.decode(seq, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+
+
+def test_logit_bias_matches_reference(models: Models, plain: Any) -> None:
+    """A bias is added to its token's logit before sampling (llama.cpp's logit-bias sampler, and
+    OpenAI's logit_bias): the greedy path is the argmax of the biased logits, on both engines; -100
+    bans a token, +100 makes it the only choice."""
+    import torch
+
+    prompt = "Once upon a time"
+    unbiased, _, _ = collect(plain, Request.raw(prompt), GenerationParams(temperature=0, max_tokens=20))
+    tok = _tokenizer(models)
+    first = tok.encode(prompt + unbiased, add_special_tokens=False)[len(tok.encode(prompt, add_special_tokens=False))]
+    the = tok.convert_tokens_to_ids("▁the")
+    bias = ((first, -100.0), (the, 3.0))
+
+    def biased(logits: Any) -> int:
+        logits = logits.clone()
+        for t, b in bias:
+            logits[t] += b
+        return int(torch.argmax(logits))
+
+    text, _, _ = collect(plain, Request.raw(prompt), GenerationParams(temperature=0, max_tokens=20, logit_bias=bias))
+    assert text == _torch_steps(models, prompt, 20, biased) and text != unbiased
+    forced, _, _ = collect(plain, Request.raw(prompt),
+                           GenerationParams(temperature=0.8, seed=5, max_tokens=4, logit_bias=((the, 100.0),)))
+    assert forced == " the" * 4
+
+
+def test_typical_sampling_keeps_the_most_typical_tokens(models: Models, plain: Any) -> None:
+    """Locally typical sampling (typical_p) keeps the tokens whose surprise is nearest the entropy;
+    with p near 0 only the most typical one is left, so any seed gives the reference's path of
+    most typical tokens on both engines (and not the greedy one)."""
+    import torch
+
+    def most_typical(logits: Any) -> int:
+        lp = torch.log_softmax(logits, -1)
+        entropy = -(lp.exp() * lp).sum()
+        return int(torch.argmin((-lp - entropy).abs()))
+
+    prompt = "Once upon a time"
+    expected = _torch_steps(models, prompt, 12, most_typical)
+    for seed in (1, 2):
+        text, _, _ = collect(plain, Request.raw(prompt), GenerationParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                                                          typical_p=1e-6, seed=seed, max_tokens=12))
+        assert text == expected, seed
+    assert expected != reference(models, raw_ids(models, prompt), 12)
 
 
 def test_cancel_between_tokens_then_next_request_is_clean(models: Models, plain: Any) -> None:

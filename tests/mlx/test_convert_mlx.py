@@ -12,7 +12,8 @@ import pytest
 from localrun import api
 from localrun.backends.mlx_convert import convert_to_mlx
 from localrun.errors import ConversionError, UsageError
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams
 from localrun.store import Store
 
 from .conftest import Models, collect

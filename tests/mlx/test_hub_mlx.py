@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from localrun import api
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams
 from localrun.store import Store
 
 from ..hub.server import HubServer

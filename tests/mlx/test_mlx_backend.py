@@ -15,7 +15,8 @@ import pytest
 
 from localrun.backends.base import RowResult
 from localrun.errors import BadModelFileError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import Store
 
 from .conftest import Models, collect, load

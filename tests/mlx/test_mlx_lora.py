@@ -15,7 +15,8 @@ import pytest
 
 from localrun import api
 from localrun.errors import BackendUnavailableError, LocalrunError, UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, Store
 
 from ..convert.convert_helpers import need_asset, randomize

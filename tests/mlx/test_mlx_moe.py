@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from localrun import api
-from localrun.generation import GenerationParams, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams
 
 from ..conftest import ASSETS, assets_or_skip
 from ..convert.convert_helpers import assert_logits_close

@@ -16,7 +16,8 @@ import pytest
 
 from localrun import api
 from localrun.errors import UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import Store
 
 from ..test_speculative import REWRITE, _homogeneity

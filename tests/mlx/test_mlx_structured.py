@@ -18,7 +18,8 @@ import pytest
 from localrun import api
 from localrun.constraint import Constraint
 from localrun.errors import BackendUnavailableError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import Store
 
 from ..server.conftest import serve

@@ -12,7 +12,8 @@ import pytest
 
 from localrun.backends.loop import InProcess
 from localrun.backends.mlx import MLXEngine
-from localrun.generation import LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import LoadOptions
 from localrun.store import Store
 from tests.mlx.conftest import mlx_lm_convert
 from tests.test_thinking_history import CALLING, TURNS

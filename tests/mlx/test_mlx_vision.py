@@ -30,7 +30,8 @@ import pytest
 from localrun import api
 from localrun.constraint import Constraint
 from localrun.errors import BadModelFileError, UsageError
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo
 from tests.conftest import run_cli, skip_or_fail
 from tests.vision_models import VisionModel, qwen2vl, reference_greedy, test_image

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from localrun.generation import LoadOptions
 from localrun.server.app import RequestRecord, ServerConfig
+from localrun.settings import LoadOptions
 
 from ..hub.conftest import hub, hub_files  # noqa: F401 - the local Hub, for /api/pull
 

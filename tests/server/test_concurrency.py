@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from localrun.generation import GenerationParams, LoadOptions, Request
+from localrun.generation import Request
+from localrun.settings import GenerationParams, LoadOptions
 from tests.test_batch import run_reference
 
 from .conftest import MODEL, serve

@@ -16,7 +16,7 @@ import ollama
 import openai
 import pytest
 
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 
 from .. import reliability
 from .conftest import MODEL, Served, serve

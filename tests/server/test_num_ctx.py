@@ -10,7 +10,7 @@ import ollama
 import openai
 import pytest
 
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 
 from .conftest import MODEL, Served, serve
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 
 from .. import reliability
 from .conftest import MODEL, Served, serve

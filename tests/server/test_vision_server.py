@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from localrun import api
-from localrun.generation import LoadOptions
+from localrun.settings import LoadOptions
 from tests.vision_models import VisionModel, qwen2vl, reference_greedy, test_image
 
 from .conftest import MODEL, Served, serve

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import LoadOptions
 
-GREEDY = GenerationParams(temperature=0, seed=1)
+GREEDY = {"temperature": 0, "seed": 1}
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def make_app() -> Iterator[Callable[..., Any]]:
     apps: list[Any] = []
 
     def make(**kwargs: Any) -> Any:
-        kwargs.setdefault("params", GREEDY)
+        kwargs.setdefault("settings", GREEDY)
         kwargs.setdefault("load_options", LoadOptions(n_ctx=1024))
         app = LocalrunApp(**kwargs)
         apps.append(app)

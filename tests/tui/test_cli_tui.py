@@ -31,7 +31,7 @@ def test_generation_flags_become_the_defaults_of_new_chats(starter: Path) -> Non
                            "the chat opened from the command line")
             conv = app.mode_screens["chat"].conversation
             assert conv.model == "smollm2:135m" and conv.system == "Be brief."
-            assert (conv.params.temperature, conv.params.seed, conv.params.top_k, conv.params.max_tokens) == (0, 1, 5, 7)
+            assert conv.settings == {"temperature": 0.0, "seed": 1, "top_k": 5, "max_tokens": 7}
             assert app.models.options.n_ctx == 512
 
     try:
@@ -40,9 +40,12 @@ def test_generation_flags_become_the_defaults_of_new_chats(starter: Path) -> Non
         app.models.close()
 
 
-def test_bad_flag_values_fail_before_the_ui_starts() -> None:
-    with pytest.raises(UsageError, match="--temperature"):
+def test_bad_flag_values_fail_before_the_ui_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # the flag is refused as it is parsed, by the settings table's check
         cmd_tui(build_parser().parse_args(["tui", "--temperature", "-1"]))
+    assert e.value.code == 2 and "argument --temperature: expected a number >= 0, got '-1'" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--draft-min"):  # values that only fail together: before the UI too
+        cmd_tui(build_parser().parse_args(["tui", "--draft-min", "9", "--draft-max", "4"]))
 
 
 def test_unknown_model_is_a_notification(make_app: Any) -> None:

@@ -7,8 +7,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from localrun.constraint import Constraint
-from localrun.generation import GenerationParams
+from localrun.settings import GenerationParams
 from tui.conversations import ConversationStore, default_path
 
 
@@ -20,7 +19,7 @@ def test_store_lives_under_the_data_directory(isolated_home: Path) -> None:
 
 def test_exchanges_are_stored_whole_and_listed_most_recent_first(tmp_path: Path) -> None:
     store = ConversationStore(tmp_path / "c.sqlite3")
-    a = store.create("smollm2:135m", "Be brief.", GenerationParams(temperature=0, seed=3))
+    a = store.create("smollm2:135m", "Be brief.", {"temperature": 0.0, "seed": 3})
     b = store.create("smollm2:135m")
     assert store.list() == []  # empty conversations are not offered for resuming
     store.add_exchange(a.id, "What is the opposite of hot?", "Cold.", {"completion_tokens": 3})
@@ -30,7 +29,7 @@ def test_exchanges_are_stored_whole_and_listed_most_recent_first(tmp_path: Path)
     assert [c.id for c in listed] == [a.id, b.id]
     assert listed[0].title == "What is the opposite of hot?" and listed[0].message_count == 4
     again = ConversationStore(tmp_path / "c.sqlite3").get(a.id)  # a fresh connection: persisted
-    assert again.system == "Be brief." and again.params == GenerationParams(temperature=0, seed=3)
+    assert again.system == "Be brief." and again.settings == {"temperature": 0.0, "seed": 3}
     assert again.history() == [
         {"role": "user", "content": "What is the opposite of hot?"},
         {"role": "assistant", "content": "Cold."},
@@ -47,42 +46,50 @@ def test_regenerate_replaces_only_the_last_reply_and_settings_persist(tmp_path: 
     store.add_exchange(c.id, "two", "second")
     c = store.replace_last_reply(c.id, "second, again")
     assert [t.content for t in c.turns] == ["one", "first", "two", "second, again"]
-    store.update_settings(c.id, "You are terse.", GenerationParams(top_k=7, max_tokens=12, stop=("END",)))
+    store.update_settings(c.id, "You are terse.", {"top_k": 7, "max_tokens": 12, "stop": ("END",)})
     c = store.get(c.id)
-    assert c.system == "You are terse." and c.params.top_k == 7 and c.params.stop == ("END",)
+    assert c.system == "You are terse." and c.settings == {"top_k": 7, "max_tokens": 12, "stop": ("END",)}
 
 
-def test_structured_output_spec_and_grammar_persist_and_reload(tmp_path: Path) -> None:
+def test_structured_output_spec_persists_and_reloads(tmp_path: Path) -> None:
     store = ConversationStore(tmp_path / "c.sqlite3")
     c = store.create("m")
-    assert c.output is None and c.params.grammar is None
+    assert c.output is None and c.settings == {}
     schema = '{"type": "object", "properties": {"answer": {"type": "string"}}}'
-    grammar = Constraint.from_spec({"schema": schema}).grammar
-    store.update_settings(c.id, "", GenerationParams(top_k=7, grammar=grammar), {"schema": schema})
+    store.update_settings(c.id, "", {"top_k": 7}, {"schema": schema})
     store.add_exchange(c.id, "q", '{"answer": "a"}')
     for again in (ConversationStore(tmp_path / "c.sqlite3").get(c.id), store.list()[0]):
-        assert again.output == {"schema": schema}  # the text as typed, for the dialog
-        assert again.params.grammar == grammar and again.params.top_k == 7
-    # Choices as typed; the grammar is rebuilt from the spec on load, not trusted from the row.
-    store.update_settings(c.id, "", GenerationParams(grammar="start: \"stale\"\n"), {"choice": "yes, no"})
-    again = store.get(c.id)
-    assert again.output == {"choice": "yes, no"}
-    assert again.params.grammar == Constraint.choice(["yes", "no"]).grammar
+        assert again.output == {"schema": schema}  # the text as typed, for the dialog and the reply's grammar
+        assert again.settings == {"top_k": 7}
+    store.update_settings(c.id, "", {}, {"choice": "yes, no"})
+    assert store.get(c.id).output == {"choice": "yes, no"}
     # Settings without a spec clear it.
-    store.update_settings(c.id, "", GenerationParams())
+    store.update_settings(c.id, "", {})
     again = store.get(c.id)
-    assert again.output is None and again.params.grammar is None
+    assert again.output is None and again.settings == {}
 
 
 def test_an_invalid_stored_spec_falls_back_to_no_constraint(tmp_path: Path) -> None:
     store = ConversationStore(tmp_path / "c.sqlite3")
     c = store.create("m")
     for bad in ({"schema": '{"type": "object", "nope": 1}'}, {"choice": 5}, ["not", "a", "spec"]):
-        params = {**GenerationParams(seed=4, grammar='start: "x"\n').to_dict(), "stop": [], "output": bad}
+        params = {"settings": {"seed": 4}, "output": bad}
         with closing(sqlite3.connect(store.path)) as db, db:
             db.execute("UPDATE conversations SET params = ? WHERE id = ?", (json.dumps(params), c.id))
         again = store.get(c.id)
-        assert again.output is None and again.params == GenerationParams(seed=4), bad
+        assert again.output is None and again.settings == {"seed": 4}, bad
+
+
+def test_settings_saved_by_an_earlier_version_keep_what_differs_from_the_defaults(tmp_path: Path) -> None:
+    """An earlier version saved every field; the values that differ from localrun's defaults were set,
+    the others are left to the model's preset and the model."""
+    store = ConversationStore(tmp_path / "c.sqlite3")
+    c = store.create("m")
+    old = {**GenerationParams(temperature=0, seed=4).to_dict(), "stop": ["END"], "output": {"choice": "a,b"}}
+    with closing(sqlite3.connect(store.path)) as db, db:
+        db.execute("UPDATE conversations SET params = ? WHERE id = ?", (json.dumps(old), c.id))
+    again = store.get(c.id)
+    assert again.settings == {"temperature": 0.0, "seed": 4, "stop": ("END",)} and again.output == {"choice": "a,b"}
 
 
 def test_export_markdown_and_delete(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from localrun import api
-from localrun.generation import GenerationParams, LoadOptions
+from localrun.settings import LoadOptions
 from tests.tui.helpers import wait_for
 from tui.screens.chat import ChatScreen
 from tui.screens.library import LibraryScreen
@@ -65,7 +65,7 @@ def test_library_chat_streams_a_greedy_reply_and_resumes_after_restart(make_app:
 
 
 async def _test_library_chat_streams_a_greedy_reply_and_resumes_after_restart(make_app: Any, starter: Path) -> None:
-    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=24))
+    app = make_app(settings={"temperature": 0, "seed": 1, "max_tokens": 24})
     async with app.run_test(size=SIZE) as pilot:
         lib = library(app)
         await wait_for(pilot, lambda: lib.loaded, "the library to load")
@@ -110,7 +110,7 @@ def test_escape_stops_a_long_reply_and_keeps_nothing(make_app: Any, starter: Pat
 
 
 async def _test_escape_stops_a_long_reply_and_keeps_nothing(make_app: Any, starter: Path) -> None:
-    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=2000), model="smollm2:135m")
+    app = make_app(settings={"temperature": 0, "seed": 1, "max_tokens": 2000}, model="smollm2:135m")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None,
                        "the chat with the model given on the command line")
@@ -130,7 +130,7 @@ async def _test_escape_stops_a_long_reply_and_keeps_nothing(make_app: Any, start
         # The engine is still usable after a stop: the next reply completes and is stored.
         screen.query_one("#prompt").value = ""
         screen.conversation = app.conversations.get(screen.conversation.id)
-        app.conversations.update_settings(screen.conversation.id, "", GenerationParams(temperature=0, max_tokens=8))
+        app.conversations.update_settings(screen.conversation.id, "", {"temperature": 0, "max_tokens": 8})
         screen.conversation = app.conversations.get(screen.conversation.id)
         await ask(pilot, "Hi")
         assert len(app.conversations.get(screen.conversation.id).turns) == 2
@@ -141,7 +141,7 @@ def test_engine_crash_is_a_notification_and_the_app_recovers(make_app: Any, star
 
 
 async def _test_engine_crash_is_a_notification_and_the_app_recovers(make_app: Any, starter: Path) -> None:
-    app = make_app(params=GenerationParams(temperature=0, max_tokens=2000), model="smollm2:135m")
+    app = make_app(settings={"temperature": 0, "max_tokens": 2000}, model="smollm2:135m")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None,
                        "the chat")
@@ -159,7 +159,7 @@ async def _test_engine_crash_is_a_notification_and_the_app_recovers(make_app: An
         assert app.conversations.get(screen.conversation.id).turns == ()
         assert app.models.loaded() == []  # dropped; the next request loads the model again
         screen.query_one("#prompt").value = ""
-        app.conversations.update_settings(screen.conversation.id, "", GenerationParams(temperature=0, max_tokens=8))
+        app.conversations.update_settings(screen.conversation.id, "", {"temperature": 0, "max_tokens": 8})
         screen.conversation = app.conversations.get(screen.conversation.id)
         await ask(pilot, "Hi")
         assert len(app.conversations.get(screen.conversation.id).turns) == 2
@@ -236,7 +236,7 @@ def test_settings_choice_constrains_the_next_reply(make_app: Any, starter: Path)
 
 
 async def _test_settings_choice_constrains_the_next_reply(make_app: Any, starter: Path) -> None:
-    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=24))
+    app = make_app(settings={"temperature": 0, "seed": 1, "max_tokens": 24})
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_starter_chat(pilot)
         dialog = await open_settings(pilot)
@@ -245,7 +245,7 @@ async def _test_settings_choice_constrains_the_next_reply(make_app: Any, starter
         await wait_for(pilot, lambda: app.screen is screen, "the dialog to close")
         assert screen.conversation is not None
         stored = app.conversations.get(screen.conversation.id)
-        assert stored.output == {"choice": "yes,no"} and stored.params.grammar
+        assert stored.output == {"choice": "yes,no"}
         assert "output: choice" in screen.status.text()
         await ask(pilot, QUESTION)  # unconstrained, the model answers "cold"
         reply = app.conversations.get(stored.id).turns[-1]
@@ -264,21 +264,21 @@ def test_settings_turn_on_a_draft_model_and_the_status_line_counts_drafts(make_a
 async def _test_settings_turn_on_a_draft_model(make_app: Any, starter: Path) -> None:
     """`localrun tui --draft MODEL` loads the draft model; the settings dialog turns drafting on for
     a conversation, and the status line shows what the last reply drafted and kept."""
-    app = make_app(params=GenerationParams(temperature=0, max_tokens=24, draft_always=True),  # tui --draft-always
+    app = make_app(settings={"temperature": 0, "max_tokens": 24, "draft_always": True},  # tui --draft-always
                    load_options=LoadOptions(n_ctx=1024, draft=str(starter)))
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_starter_chat(pilot)
         dialog = await open_settings(pilot)
         select = dialog.query_one("#set-draft")
-        assert select.value == "off"
+        assert select.value == "default"  # not set: the model's preset and the model decide
         await pilot.click("#set-draft")
         await wait_for(pilot, lambda: select.expanded, "the drafter list to open")
-        await pilot.press("home", "down", "down", "enter")
+        await pilot.press("home", "down", "down", "down", "enter")
         await wait_for(pilot, lambda: select.value == "model", "the draft model chosen")
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: app.screen is screen, "the dialog to close")
         assert screen.conversation is not None
-        assert app.conversations.get(screen.conversation.id).params.speculative == "model"
+        assert app.conversations.get(screen.conversation.id).settings["speculative"] == "model"
         await ask(pilot, QUESTION)
         reply = app.conversations.get(screen.conversation.id).turns[-1]
         assert reply.stats["accepted_tokens"] > 0 and reply.stats["drafted_tokens"] >= reply.stats["accepted_tokens"]
@@ -304,4 +304,4 @@ async def _test_settings_refuse_an_invalid_schema_and_stay_open(make_app: Any, s
         assert dialog.query_one("#output-text").text == '{"type": "object", "oneof": []}'
         assert screen.conversation is not None
         stored = app.conversations.get(screen.conversation.id)
-        assert stored.output is None and stored.params.grammar is None
+        assert stored.output is None

@@ -18,7 +18,6 @@ import pytest
 from textual import events
 
 from localrun import api
-from localrun.generation import GenerationParams
 from localrun.images import describe, pasted_image, unquoted
 from tests.tui.helpers import wait_for
 from tests.tui.test_flows import SIZE, ask, chat
@@ -118,8 +117,8 @@ async def _test_attach_send_restore(make_app: Any, tmp_path: Path) -> None:
     vm = qwen2vl()
     api.add_model(str(vm.gguf), name=VL, mmproj=str(vm.mmproj))
     cat = test_image(tmp_path / "pics" / "cat.png")
-    params = GenerationParams(temperature=0, seed=1, max_tokens=8)
-    app = make_app(params=params, model=VL)
+    params = {"temperature": 0, "seed": 1, "max_tokens": 8}
+    app = make_app(settings=params, model=VL)
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
         # /image PATH shows a chip; a click takes it off
@@ -158,7 +157,7 @@ async def _test_attach_send_restore(make_app: Any, tmp_path: Path) -> None:
         assert second.stats["prompt_tokens"] > first.turns[1].stats["prompt_tokens"]
 
     cat.unlink()  # the conversation keeps the image, not its path
-    app2 = make_app(params=params)
+    app2 = make_app(settings=params)
     async with app2.run_test(size=SIZE) as pilot:
         await pilot.press("f4")
         await wait_for(pilot, lambda: isinstance(app2.screen, ChatScreen), "the chat screen")
@@ -191,7 +190,7 @@ async def _test_refusal(make_app: Any, tmp_path: Path) -> None:
     (pics / "notes.txt").write_text("not listed")
     fake = tmp_path / "fake.png"
     fake.write_text("not an image")
-    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=8), model="smollm2:135m")
+    app = make_app(settings={"temperature": 0, "seed": 1, "max_tokens": 8}, model="smollm2:135m")
     async with app.run_test(size=SIZE) as pilot:
         screen = await open_chat(pilot)
         missing = tmp_path / "gone.png"
@@ -277,7 +276,7 @@ async def _test_warning_once(make_app: Any, tmp_path: Path) -> None:
     projector.write_bytes(vm.mmproj.read_bytes())
     api.add_model(str(vm.gguf), name="vl:gone", mmproj=str(projector))
     projector.unlink()
-    app = make_app(params=GenerationParams(temperature=0, seed=1, max_tokens=4), model="vl:gone")
+    app = make_app(settings={"temperature": 0, "seed": 1, "max_tokens": 4}, model="vl:gone")
     async with app.run_test(size=SIZE) as pilot:
         await open_chat(pilot)
         await ask(pilot, "Hello", typed=False)

@@ -97,7 +97,7 @@ async def _test_bad_lines_are_named_and_the_dialog_stays_open(make_app: Any) -> 
         assert lines[0].startswith("parameters line 1 ('top_k x'): bad value 'x' for parameter 'top_k'")
         assert lines[1].startswith("parameters line 2 ('mirostat 1'): parameter 'mirostat' is not supported")
         assert lines[2].startswith("parameters line 3 ('nonsense 3'): unknown parameter 'nonsense'")
-        assert "line 4" not in editor.error and "temperature, top_k" in editor.error  # the known names, once
+        assert "line 4" not in editor.error and "temperature, top_p, top_k" in editor.error  # the known names, once
         assert any(line.startswith("template: the TEMPLATE is not a valid Jinja template") for line in lines)
         assert str(editor.query_one("#preset-error").content) == editor.error
         # The user's text is intact.
@@ -163,6 +163,6 @@ def test_the_default_name_is_free_and_parameters_round_trip(starter: Path) -> No
     text = parameters_text(params)
     assert parse_parameters(text) == (params, [], [])
     assert parse_parameters("PARAMETER top_k 5\n# a comment\n\nseed\ttwo\ntop_k 6")[1] == [
-        "parameters line 4 ('seed\\ttwo'): bad value 'two' for parameter 'seed': expected an integer",
+        "parameters line 4 ('seed\\ttwo'): bad value 'two' for parameter 'seed': expected an integer in [0, 2^32) (-1: a random seed)",
         "parameters line 5 ('top_k 6'): 'top_k' is already set on line 1 (only stop may repeat)",
     ]

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from localrun import api
-from localrun.generation import GenerationParams
 from tests.tui.helpers import wait_for
 from tui.screens.chat import ChatScreen
 from tui.screens.library import LibraryScreen
@@ -56,7 +55,7 @@ async def library_loaded(pilot: Any) -> None:
 
 
 def saved_chat(app: Any) -> int:
-    conv = app.conversations.create("smollm2:135m", "You answer briefly.", GenerationParams(temperature=0, seed=1))
+    conv = app.conversations.create("smollm2:135m", "You answer briefly.", {"temperature": 0, "seed": 1})
     app.conversations.add_exchange(conv.id, "What is the opposite of hot?", REPLY,
                                    {"prompt_tokens": 40, "completion_tokens": 50})
     return int(conv.id)

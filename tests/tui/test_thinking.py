@@ -18,7 +18,7 @@ from textual.widgets import Input
 from textual.worker import WorkerState
 
 from localrun import api
-from localrun.generation import Chunk, GenerationParams
+from localrun.generation import Chunk
 from localrun.store import home
 from tests.thinking_models import R1_TEMPLATE
 from tests.tui.helpers import wait_for
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 SIZE = (100, 30)
 BUDGET = 6
 # Sampled: greedy, the random model repeats whitespace.
-PARAMS = GenerationParams(temperature=1, seed=3, max_tokens=30, think_budget=BUDGET)
+PARAMS = {"temperature": 1, "seed": 3, "max_tokens": 30, "think_budget": BUDGET}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_the_thought_shows_above_the_answer_is_stored_apart_and_exported(make_ap
 
 
 async def _flow(make_app: Any) -> None:
-    app = make_app(params=PARAMS, model="r1:tiny")
+    app = make_app(settings=PARAMS, model="r1:tiny")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None, "the chat")
         screen = chat(app)
@@ -160,7 +160,7 @@ THOUGHT = re.compile(r"Thought for (\d+\.\d) s · (\d+) tokens?")
 
 
 async def _mid_stream(make_app: Any, held: HeldStream) -> None:
-    app = make_app(params=PARAMS, model="r1:tiny")
+    app = make_app(settings=PARAMS, model="r1:tiny")
     async with app.run_test(size=SIZE) as pilot:
         try:
             await wait_for(pilot, lambda: "chat" in app.mode_screens and chat(app).conversation is not None, "the chat")

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from localrun import api
-from localrun.generation import GenerationParams
 from tests.thinking_models import R1_TEMPLATE
 from tui.conversations import ConversationStore
 
@@ -81,8 +80,8 @@ def test_a_thought_in_its_block_above_the_answer_in_tmux(thinker: Callable[..., 
     # chat is a saved one to resume (the list shows chats that have an exchange).
     api.add_model(thinker(R1_TEMPLATE), "r1:tiny")
     store = ConversationStore()
-    params = GenerationParams(temperature=1, seed=3, max_tokens=30, think_budget=6)
-    cid = store.create("r1:tiny", params=params).id
+    params = {"temperature": 1, "seed": 3, "max_tokens": 30, "think_budget": 6}
+    cid = store.create("r1:tiny", given=params).id
     store.add_exchange(cid, "Hello there", "Hello.")
     session = launch(isolated_home)
     try:

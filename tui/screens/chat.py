@@ -74,7 +74,7 @@ class ChatScreen(ChatReplies):
     async def open_model(self, model: str) -> None:
         """Start a new conversation with a model, using the app's default settings."""
         app: Any = self.app
-        conv = app.conversations.create(model, app.default_system or "", app.default_params)
+        conv = app.conversations.create(model, app.default_system or "", app.default_settings)
         await self._show_conversation(conv)
 
     async def open_conversation(self, cid: int) -> None:
@@ -236,12 +236,12 @@ class ChatScreen(ChatReplies):
             if result is None or self.conversation is None:
                 return
             store: Any = self.app.conversations  # type: ignore[attr-defined]
-            store.update_settings(self.conversation.id, result.system, result.params, result.output)
+            store.update_settings(self.conversation.id, result.system, result.settings, result.output)
             self.conversation = store.get(self.conversation.id)
             self.status.show(output=output_label(self.conversation.output))
             self.notify("Settings saved for this conversation")
 
-        self.app.push_screen(SettingsScreen(conv.system, conv.params, conv.output), done)
+        self.app.push_screen(SettingsScreen(conv.system, conv.settings, conv.output), done)
 
     def action_conversations(self) -> None:
         store: Any = self.app.conversations  # type: ignore[attr-defined]

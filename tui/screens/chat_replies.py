@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from textual import work
@@ -15,7 +16,6 @@ from textual.widgets.markdown import MarkdownStream
 
 from localrun import api
 from localrun.errors import EngineCrashedError, LocalrunError, UsageError
-from localrun.generation import GenerationParams
 from tui.attachments import Attachment
 from tui.conversations import Conversation, Turn
 from tui.messages import ReplyDone, ReplyFailed, ReplyText
@@ -74,11 +74,12 @@ class ChatReplies(Screen[None]):
         self.status.show(state=state, tokens_per_second=None)
         conv = self.conversation
         self._generate(self.generation, conv.model, prompt, [a.data for a in images], conv.system, history,
-                       conv.params, self.cancel)
+                       conv.settings, conv.output, self.cancel)
 
     @work(thread=True, group="generate")
     def _generate(self, generation: int, model: str, prompt: str, images: list[bytes], system: str,
-                  history: list[dict[str, Any]], params: GenerationParams, cancel: threading.Event) -> None:
+                  history: list[dict[str, Any]], given: Mapping[str, Any], output: dict[str, Any] | None,
+                  cancel: threading.Event) -> None:
         """The engine's token loop, off the UI thread; text and thought are posted in coalesced pieces."""
         models: Any = self.app.models  # type: ignore[attr-defined]
         parts: list[str] = []
@@ -100,7 +101,9 @@ class ChatReplies(Screen[None]):
             with api.use_target(models, target, keep_alive=-1) as (session, engine):
                 self.app.call_from_thread(self._loaded, generation, loaded, session.info().get("warning"))
                 request = target.request(api.build_messages(prompt, system or None, history, images))
-                for chunk in api.stream(session, request, target.params(target.under(params), engine), cancel):
+                params = api.resolve_settings(given, target, engine,
+                                              constraint=api.constraint(output) if output is not None else None)
+                for chunk in api.stream(session, request, params, cancel):
                     if chunk.done:
                         thought.end()
                         post()

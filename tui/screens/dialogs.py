@@ -19,7 +19,6 @@ from textual.widgets.option_list import Option
 
 from localrun import api
 from localrun.errors import LocalrunError
-from localrun.generation import GenerationParams
 from tui.conversations import Conversation
 
 
@@ -116,18 +115,21 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
+# The settings the dialog edits (settings.py's names), with their titles: a field left empty is not
+# set, and the model's preset, the model and localrun decide it.
 _FIELDS = (
-    ("temperature", "Temperature", float),
-    ("top_p", "Top-p", float),
-    ("top_k", "Top-k", int),
-    ("min_p", "Min-p", float),
-    ("repeat_penalty", "Repeat penalty", float),
-    ("max_tokens", "Max tokens", int),
-    ("seed", "Seed", int),
-    ("draft_max", "Draft max", int),
+    ("temperature", "Temperature"),
+    ("top_p", "Top-p"),
+    ("top_k", "Top-k"),
+    ("min_p", "Min-p"),
+    ("repeat_penalty", "Repeat penalty"),
+    ("max_tokens", "Max tokens"),
+    ("seed", "Seed"),
+    ("draft_max", "Draft max"),
 )
-# Speculative decoding: the dialog's choices (GenerationParams.speculative) and their labels
-DRAFTERS = {"off": "off", "lookup": "prompt lookup", "model": "draft model (tui --draft MODEL)"}
+# Speculative decoding: the dialog's choices (the speculative setting; "default": not set) and their labels
+DRAFTERS = {"default": "default", "off": "off", "lookup": "prompt lookup",
+            "model": "draft model (tui --draft MODEL)"}
 
 
 # Structured output: the dialog's kinds, their labels, and what the text box holds for each.
@@ -178,8 +180,8 @@ class ChatSettings:
     """What the settings dialog saves: the system prompt, sampling and structured output."""
 
     system: str
-    params: GenerationParams
-    output: dict[str, Any] | None = None  # the spec; params.grammar is its grammar
+    settings: dict[str, Any]  # the settings the user set, by settings.py's names
+    output: dict[str, Any] | None = None  # the structured-output spec
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
@@ -187,10 +189,10 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system: str, params: GenerationParams, output: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, system: str, given: Mapping[str, Any], output: Mapping[str, Any] | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.system = system
-        self.params = params
+        self.given = dict(given)
         self.kind, text = output_kind(output)
         self.texts = {self.kind: text}  # what was typed per kind, kept while switching
 
@@ -200,14 +202,14 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 yield Label("System prompt")
                 yield TextArea(self.system, id="system-prompt", soft_wrap=True, show_line_numbers=False)
                 with Grid(id="settings-grid"):
-                    for key, title, _ in _FIELDS:
-                        value = getattr(self.params, key)
+                    for key, title in _FIELDS:
+                        value = self.given.get(key)
                         yield Label(title)
                         yield Input("" if value is None else str(value), id=f"set-{key}", compact=True,
-                                    placeholder="default" if key in ("max_tokens", "seed") else "")
+                                    placeholder="default")
                     yield Label("Speculation")
                     yield Select([(label, kind) for kind, label in DRAFTERS.items()],
-                                 value=self.params.speculative or "off", allow_blank=False, compact=True,
+                                 value=self.given.get("speculative") or "default", allow_blank=False, compact=True,
                                  id="set-draft")
                     yield Label("Structured output")
                     yield Select([(label, kind) for kind, label in OUTPUT_KINDS.items()], value=self.kind,
@@ -237,35 +239,29 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     @on(Button.Pressed, "#save")
     def action_save(self) -> None:
-        values: dict[str, object] = {}
+        given = {k: v for k, v in self.given.items() if k not in {key for key, _ in _FIELDS} | {"speculative"}}
         field: Widget | None = None  # the field being read, brought into view when it is refused
         try:
-            for key, title, kind in _FIELDS:
+            for key, title in _FIELDS:
                 field = self.query_one(f"#set-{key}", Input)
                 raw = field.value.strip()
-                if not raw:
-                    if key in ("max_tokens", "seed"):
-                        values[key] = None
-                    continue
-                try:
-                    values[key] = kind(raw)
-                except ValueError:
-                    raise LocalrunError(f"{title}: {raw!r} is not a number") from None
+                if raw:
+                    given[key] = api.setting_value(key, raw, title)
             field = self.query_one("#output-text", TextArea)
             spec = output_spec(self.kind, field.text)
-            constraint = api.constraint(spec, "structured output") if spec is not None else None
-            values["grammar"] = constraint.grammar if constraint is not None else None
-            values["grammar_trigger"] = None
+            if spec is not None:
+                api.constraint(spec, "structured output")
             drafter = str(self.query_one("#set-draft", Select).value)
-            values["speculative"] = None if drafter == "off" else drafter
+            if drafter != "default":
+                given["speculative"] = drafter
             field = None
-            params = GenerationParams(**{**self.params.to_dict(), **values})  # type: ignore[arg-type]
+            api.resolve_settings(given)  # the values together (draft min and max)
         except LocalrunError as e:
             self.query_one("#settings-error", Static).update(str(e))
             if field is not None:  # once the error has taken its room
                 self.call_after_refresh(field.scroll_visible, animate=False)
             return
-        self.dismiss(ChatSettings(self.query_one("#system-prompt", TextArea).text, params, spec))
+        self.dismiss(ChatSettings(self.query_one("#system-prompt", TextArea).text, given, spec))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
