@@ -36,6 +36,10 @@ class ModelNotFoundError(LocalrunError):
     """A model name that is not installed and is not a path."""
 
 
+class NotFoundError(LocalrunError):
+    """Something else a request names that does not exist (a stored response)."""
+
+
 class BadModelFileError(LocalrunError):
     """A model file that is missing, truncated or malformed."""
 

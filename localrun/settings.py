@@ -130,7 +130,7 @@ class GenerationParams:
         None, kind="int", check=lambda v: v >= 0, expected="an integer >= 0 (tokens of thought)", group="thinking",
         help="end the thought after N tokens (the format's closing marker is inserted), then answer",
         metavar="N", cli="--think-budget", openai="think_budget", ollama="think_budget", modelfile="think_budget",
-        batch="think_budget")
+        batch="think_budget", responses="think_budget")
     # Speculative decoding: "lookup" drafts from the prompt and the reply so far, "model" with the
     # draft model loaded beside the model (LoadOptions.draft); None: off
     speculative: str | None = setting(
@@ -139,7 +139,8 @@ class GenerationParams:
         help="draft tokens and verify them in one batched step, with the same reply: 'lookup' drafts from the "
              "prompt and the reply so far (rewrites and edits that repeat their input gain most); a MODEL (a "
              "smaller one with the same vocabulary) drafts with that model",
-        cli="--draft", openai="speculative", ollama="speculative", modelfile="draft", batch="speculative")
+        cli="--draft", openai="speculative", ollama="speculative", modelfile="draft", batch="speculative",
+        responses="speculative")
     # Each step drafts up to draft_max tokens, and none when fewer than draft_min would fit
     draft_max: int = setting(
         8, kind="int", check=lambda v: 1 <= v <= 64, expected="an integer in [1, 64]", group="speculative decoding",
@@ -298,6 +299,9 @@ REFUSED: dict[str, dict[str, Any]] = {
     "openai": {"prediction": None, "audio": None, "web_search_options": None, "modalities": ["text"],
                "functions": None, "function_call": None},  # the last two: the old form of tools
     "ollama": {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0},
+    # background runs, server-side conversations and prompt templates, dropping old items to fit
+    "responses": {"background": False, "conversation": None, "prompt": None, "truncation": "disabled",
+                  "max_tool_calls": None, "image": None},
 }
 # Fields of the APIs that localrun accepts and does not use: they change no token of the reply
 # (OpenAI's bookkeeping; Ollama's load-time options, which follow the server's own settings).
@@ -306,6 +310,9 @@ IGNORED: dict[str, tuple[str, ...]] = {
                "prompt_cache_options", "safety_identifier", "moderation", "verbosity"),
     "ollama": ("num_keep", "penalize_newline", "numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv",
                "vocab_only", "use_mmap", "use_mlock", "num_thread", "logits_all", "embedding_only"),
+    "responses": ("user", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+                  "safety_identifier", "moderation", "stream_options", "access_programs", "background_options",
+                  "context_management", "client_metadata"),
 }
 
 

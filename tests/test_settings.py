@@ -30,6 +30,16 @@ def _openai_fields() -> set[str]:
     return set(chat.CompletionCreateParamsBase.__annotations__) | set(text.CompletionCreateParamsBase.__annotations__)
 
 
+RESPONSES_ENDPOINT = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
+                      "text", "metadata", "previous_response_id", "store", "include", "top_logprobs"}
+
+
+def _responses_fields() -> set[str]:
+    from openai.types.responses import response_create_params
+
+    return set(response_create_params.ResponseCreateParamsBase.__annotations__)
+
+
 def _ollama_options() -> set[str]:
     import ollama._types
 
@@ -37,6 +47,7 @@ def _ollama_options() -> set[str]:
 
 
 @pytest.mark.parametrize(("front", "fields", "own"), [("openai", _openai_fields, OPENAI_ENDPOINT),
+                                                       ("responses", _responses_fields, RESPONSES_ENDPOINT),
                                                        ("ollama", _ollama_options, set())])
 def test_every_field_of_the_official_clients_is_applied_refused_or_declared_inert(front: str, fields: Any,
                                                                                   own: set[str]) -> None:

@@ -31,6 +31,8 @@ _OUTSIDE = '}]"0,:tfn-.1{[ a'
 _INSIDE = '"a0}],:tfn-.1{[ '
 # Then any printable character (a choice or a pattern that starts with none of the above).
 _ANY = "".join(chr(c) for c in range(32, 127))
+# The order of preference among characters that close equally well: plain text first.
+_PLAIN = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ._-"
 
 
 class Grammars:
@@ -97,8 +99,98 @@ class Grammars:
 
     def closing(self, matcher: Any, limit: int) -> list[int] | None:
         """A short token path from matcher's state to one where the grammar is complete, or None
-        when none of at most `limit` tokens is found. Forced text is taken as the grammar's own
-        tokens; elsewhere the first allowed closer (a quote, a bracket, a digit...) is taken."""
+        when none of at most `limit` tokens is found: the first allowed closer (a quote, a
+        bracket, a digit...) at each step, else the most constraining character at each step."""
+        return self._greedy_closing(matcher, limit) or self._narrowing_closing(matcher, limit)
+
+    def _narrowing_closing(self, matcher: Any, limit: int) -> list[int] | None:
+        """A closing path through grammars whose free text never ends by itself (a JSON string
+        that must match a pattern: a freeform tool's patch of lines). A depth-first search over
+        printable characters that tries first the one leaving the fewest characters allowed after
+        it (a line's end, a section's marker), takes forced text whole, and never returns to a
+        state it has passed (known by the characters it allows), so it cannot circle in a line."""
+        _, _, anything, _ = self.closers()
+        tokenize = self.tokenizer.tokenize_str
+
+        def anything_by(chars: str) -> list[int]:
+            return [t[0] for t in map(tokenize, chars) if len(t) == 1]
+
+        backslash = next((t for t in anything if self.tokenizer.decode_str([t]) == "\\"), None)
+        unicode = next((t for t in anything if self.tokenizer.decode_str([t]) == "u"), None)
+
+        newline = anything_by("n")
+
+        def signature(m: Any) -> tuple[tuple[int, ...], ...]:
+            """The characters allowed next, after a backslash (in JSON text, which escapes follow)
+            and after an escaped newline (what the next line may be): a state's identity here."""
+            now = tuple(u for u in anything if m.validate_tokens([u]) == 1)
+            if backslash is None or backslash not in now:
+                return (now,)
+            escaped = m.deep_copy()
+            escaped.consume_token(backslash)
+            after = tuple(u for u in anything if escaped.validate_tokens([u]) == 1)
+            if not newline or newline[0] not in after:
+                return now, after
+            escaped.consume_token(newline[0])
+            return now, after, tuple(u for u in anything if escaped.validate_tokens([u]) == 1)
+
+        def advance(m: Any, path: list[int]) -> Any:
+            """Take what is forced: the grammar's forced tokens, and a character that is the only one allowed."""
+            while not m.is_accepting():
+                forced = m.compute_ff_tokens()
+                if not forced:
+                    only = [u for u in anything if m.validate_tokens([u]) == 1]
+                    if len(only) != 1 or only[0] == backslash:  # an escape is the search's to choose
+                        break
+                    forced = only
+                m.consume_tokens(forced)
+                path.extend(forced)
+            return m
+
+        path: list[int] = []
+        state = advance(matcher.deep_copy(), path)
+        seen = {signature(state)}
+        stack: list[tuple[Any, list[int], list[tuple[int, int, Any, list[int]]]]] = []
+        rank = {t: i for i, t in enumerate(anything_by(_PLAIN))}  # among equals: a letter, a digit...
+        budget = 4096  # states looked at, at most: a search that wanders gives up
+        while budget > 0:
+            if state.is_accepting():
+                return path
+            if len(path) > limit or state.is_stopped() or state.is_error():
+                options: list[tuple[int, int, Any, list[int]]] = []
+            else:
+                options = []
+                for t in anything:
+                    if state.validate_tokens([t]) != 1:
+                        continue
+                    budget -= 1
+                    steps = [[t]]
+                    if t == backslash:  # an escape is weighed by the character it writes (\uXXXX: none needed)
+                        escaped = state.deep_copy()
+                        escaped.consume_token(t)
+                        steps = [[t, e] for e in anything if e != unicode and escaped.validate_tokens([e]) == 1]
+                    for step in steps:
+                        after, extra = state.deep_copy(), list(step)
+                        after.consume_tokens(step)
+                        advance(after, extra)
+                        if after.is_accepting():
+                            return path + extra
+                        sig = signature(after)
+                        if sig not in seen:
+                            options.append((len(sig[0]), rank.get(step[-1], 99), after, extra))
+                options.sort(key=lambda o: (o[0], o[1]), reverse=True)
+            stack.append((state, path, options))
+            while stack and not stack[-1][2]:
+                stack.pop()
+            if not stack:
+                return None
+            _, base, pending = stack[-1]
+            _, _, state, extra = pending.pop()
+            seen.add(signature(state))
+            path = base + extra
+        return None
+
+    def _greedy_closing(self, matcher: Any, limit: int) -> list[int] | None:
         m = matcher.deep_copy()
         outside, inside, anything, letter = self.closers()
         path: list[int] = []
@@ -130,7 +222,8 @@ class GrammarState:
     cut by its budget still parses (and still says finish_reason "length").
     """
 
-    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "broken", "_bits", "_path")
+    __slots__ = ("grammars", "lark", "trigger", "matcher", "text", "consumed", "budget", "broken", "_bits", "_path",
+                 "_recheck")
 
     def __init__(self, grammars: Grammars, lark: str, trigger: str | None, matcher: Any,
                  budget: int | None = None) -> None:
@@ -144,6 +237,7 @@ class GrammarState:
         self.broken = False  # a token the grammar refused was taken (tokenizers that disagree)
         self._bits: Any = None
         self._path: list[int] | None = None  # the closing path from the matcher's state, while known
+        self._recheck = 0  # the token count before which no closing is looked for
 
     @property
     def active(self) -> bool:
@@ -167,8 +261,14 @@ class GrammarState:
         import numpy as np
 
         grammars = self.grammars
+        if self._path is None and self.consumed < self._recheck:
+            return mask  # the last closing found left room: not looked for again before then
         path = self._path = self._path if self._path is not None else grammars.closing(self.matcher, left)
         if path is None or len(path) + _MARGIN < left:
+            # a token lengthens a closing by a few characters at most: look again when a quarter
+            # of the room is spent
+            self._recheck = self.consumed + ((left - len(path) - _MARGIN) // 4 if path is not None else 16)
+            self._path = None
             return mask
         keep: list[int] = []
         if logits is not None:

@@ -11,7 +11,8 @@ from localrun import __version__
 from localrun.errors import LocalrunError
 
 # Each module defines register(subparsers); handlers take the parsed args and return an exit code.
-COMMAND_MODULES = ("run", "models", "batch", "serve", "hub", "convert", "bench", "evaluate", "imatrix", "doctor", "tui")
+COMMAND_MODULES = ("run", "models", "batch", "serve", "launch", "hub", "convert", "bench", "evaluate", "imatrix",
+                   "doctor", "tui")
 
 
 class Parser(argparse.ArgumentParser):
@@ -47,7 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `localrun` console script."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if "--" in argv:  # what follows -- belongs to the program a command runs (launch's agent)
+        at = argv.index("--")
+        argv, rest = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if rest and not getattr(args, "takes_rest", False):
+        parser.error(f"unrecognized arguments: -- {' '.join(rest)}")
+    args.rest = rest
     handler = getattr(args, "func", None)
     if handler is None:
         # No command: the TUI when it is there, else the help.

@@ -102,6 +102,38 @@ def resolve_target(name: str, lora: list[Any] | None = None,
     return adapters.make_target(api.store(), base, refs)
 
 
+# -- what a request may name -------------------------------------------------------------------
+
+
+def image_url(url: Any, what: str, config: Any) -> bytes:
+    """An image a request names by URL: a data URI; a file:// URL inside `serve --media-dir`; an
+    http(s) URL with `serve --allow-fetch`. Anything else is refused, naming the image."""
+    import os
+    from urllib.parse import unquote, urlparse
+
+    from localrun import images
+
+    if not isinstance(url, str) or not url:
+        raise UsageError(f"{what} has no url", 'send {"type": "image_url", "image_url": {"url": "data:..."}}')
+    if url.startswith("data:"):
+        return images.from_base64(url, what)
+    if url.startswith("file://"):
+        media_dir = getattr(config, "media_dir", None)
+        if not media_dir:
+            raise UsageError(f"{what}: this server reads no files for image URLs",
+                             "send the image as a data URI, or start the server with --media-dir DIR")
+        path = os.path.realpath(unquote(urlparse(url).path))
+        if os.path.commonpath([path, media_dir]) != media_dir:
+            raise UsageError(f"{what}: {path} is outside the server's --media-dir ({media_dir})")
+        return images.read_file(path, what)
+    if url.startswith(("http://", "https://")):
+        if not getattr(config, "allow_fetch", False):
+            raise UsageError(f"{what}: this server does not fetch image URLs ({url[:80]})",
+                             "send the image as a data URI, or start the server with --allow-fetch")
+        return images.fetch(url, what)
+    raise UsageError(f"{what}: the url must be a data URI (or file:// / http(s) where the server allows)")
+
+
 # -- who may call -------------------------------------------------------------------------------
 
 

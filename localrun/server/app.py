@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -19,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localrun.errors import LocalrunError
-from localrun.server import errors, host_allowed, ollama, openai, origin_regex
+from localrun.server import errors, host_allowed, ollama, openai, origin_regex, responses
+from localrun.server.response_store import ResponseStore
 from localrun.server.streams import (  # noqa: F401 - ServerConfig and RequestRecord are this module's API too
     MAX_BODY,
     ClientGone,
@@ -81,9 +83,38 @@ class AccessLog:
                 note.get("tokens", 0), note.get("tokens_per_second", 0.0), note.get("finish_reason")))
 
 
+def _zstd(data: bytes, limit: int) -> bytes:
+    import io
+
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(limit + 1)
+    except zstandard.ZstdError as e:
+        raise ValueError(str(e)) from e
+
+
+def _zlib(wbits: int) -> Callable[[bytes, int], bytes]:
+    def decode(data: bytes, limit: int) -> bytes:
+        import zlib
+
+        try:
+            return zlib.decompressobj(wbits).decompress(data, limit + 1)
+        except zlib.error as e:
+            raise ValueError(str(e)) from e
+
+    return decode
+
+
+# Content-Encoding -> decoder(body, most bytes wanted); more than that is a body too large.
+_DECODERS: dict[str, Callable[[bytes, int], bytes]] = {
+    "identity": lambda data, limit: data, "zstd": _zstd, "gzip": _zlib(31), "deflate": _zlib(15)}
+
+
 class JsonBodies:
     """Request bodies: at most max_body bytes (413 in the API family's shape), read as JSON
-    whatever their Content-Type (Ollama's examples use `curl -d`, which sends a form type)."""
+    whatever their Content-Type (Ollama's examples use `curl -d`, which sends a form type), and
+    decompressed when their Content-Encoding is zstd, gzip or deflate."""
 
     def __init__(self, app: ASGIApp, max_body: int) -> None:
         self.app = app
@@ -102,7 +133,12 @@ class JsonBodies:
         if declared > self.max_body:
             await _json(send, 413, errors.http_body(scope["path"], 413, text))
             return
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        encoding = (Headers(scope=scope).get("content-encoding") or "identity").strip().lower()
+        if encoding not in _DECODERS:
+            await _json(send, 415, errors.http_body(scope["path"], 415, f"request bodies in {encoding!r} are not "
+                                                                         "read; send zstd, gzip, deflate or none"))
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-encoding")]
         scope["headers"] = [*headers, (b"content-type", b"application/json")]
         total = 0
 
@@ -115,7 +151,35 @@ class JsonBodies:
                     raise StarletteHTTPException(413, text)
             return message
 
-        await self.app(scope, limited, send)
+        if encoding == "identity":
+            await self.app(scope, limited, send)
+            return
+        # A compressed body (Codex sends zstd) is read whole and decompressed, at most max_body bytes of it.
+        parts, more = [], True
+        while more:
+            message = await limited()
+            if message["type"] != "http.request":
+                break
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        try:
+            body = _DECODERS[encoding](b"".join(parts), self.max_body)
+        except ValueError as e:
+            await _json(send, 400, errors.http_body(scope["path"], 400, f"the {encoding} request body is corrupt ({e})"))
+            return
+        if len(body) > self.max_body:
+            await _json(send, 413, errors.http_body(scope["path"], 413, text + " once decompressed"))
+            return
+        replayed = False
+
+        async def whole() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, whole, send)
 
 
 class ApiKey:
@@ -211,6 +275,7 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
     app.state.config = config
+    app.state.responses = ResponseStore()
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -220,5 +285,6 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(ollama.router)
     return app

@@ -14,6 +14,7 @@ from localrun.errors import (
     HubError,
     LocalrunError,
     ModelNotFoundError,
+    NotFoundError,
     ServerBusyError,
     UsageError,
 )
@@ -21,6 +22,7 @@ from localrun.errors import (
 # error class -> (HTTP status, OpenAI "type", OpenAI "code"); looked up along the class's MRO.
 OPENAI: dict[type[LocalrunError], tuple[int, str, str | None]] = {
     ModelNotFoundError: (404, "invalid_request_error", "model_not_found"),
+    NotFoundError: (404, "invalid_request_error", "not_found"),
     ContextOverflowError: (400, "invalid_request_error", "context_length_exceeded"),
     UsageError: (400, "invalid_request_error", None),
     ServerBusyError: (503, "server_error", "server_busy"),
@@ -36,6 +38,7 @@ OPENAI: dict[type[LocalrunError], tuple[int, str, str | None]] = {
 # error class -> HTTP status for Ollama's {"error": "..."}.
 OLLAMA: dict[type[LocalrunError], int] = {
     ModelNotFoundError: 404,
+    NotFoundError: 404,
     ContextOverflowError: 400,
     UsageError: 400,
     ServerBusyError: 503,

@@ -23,7 +23,7 @@ from localrun.adapters import Target
 from localrun.chat import parse_messages
 from localrun.errors import LocalrunError, UsageError
 from localrun.generation import Chunk, Request
-from localrun.server import display_name, errors, resolve_model, resolve_target
+from localrun.server import display_name, errors, image_url, resolve_model, resolve_target
 from localrun.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -104,45 +104,14 @@ def _text(message: ChatMessage, i: int) -> str:
 
 
 def _images(message: ChatMessage, i: int, config: Any) -> list[bytes]:
-    """The bytes of the message's image_url parts: data URIs; file:// inside `serve --media-dir`;
-    http(s) with `serve --allow-fetch`."""
-    from localrun import images
-
+    """The bytes of the message's image_url parts (read as `image_url` allows)."""
     if message.content is None or isinstance(message.content, str):
         return []
     out = []
     for j, part in enumerate(p for p in message.content if p.type == "image_url"):
-        what = f"message {i}: image {j + 1}"
         ref = (part.model_extra or {}).get("image_url")
-        url = ref.get("url") if isinstance(ref, dict) else ref
-        if not isinstance(url, str) or not url:
-            raise UsageError(f"{what} has no url", 'send {"type": "image_url", "image_url": {"url": "data:..."}}')
-        if url.startswith("data:"):
-            out.append(images.from_base64(url, what))
-        elif url.startswith("file://"):
-            out.append(_media_file(url, what, getattr(config, "media_dir", None)))
-        elif url.startswith(("http://", "https://")):
-            if not getattr(config, "allow_fetch", False):
-                raise UsageError(f"{what}: this server does not fetch image URLs ({url[:80]})",
-                                 "send the image as a data URI, or start the server with --allow-fetch")
-            out.append(images.fetch(url, what))
-        else:
-            raise UsageError(f"{what}: the url must be a data URI (or file:// / http(s) where the server allows)")
+        out.append(image_url(ref.get("url") if isinstance(ref, dict) else ref, f"message {i}: image {j + 1}", config))
     return out  # parse_messages checks each image
-
-
-def _media_file(url: str, what: str, media_dir: str | None) -> bytes:
-    from urllib.parse import unquote, urlparse
-
-    from localrun import images
-
-    if not media_dir:
-        raise UsageError(f"{what}: this server reads no files for image URLs",
-                         "send the image as a data URI, or start the server with --media-dir DIR")
-    path = os.path.realpath(unquote(urlparse(url).path))
-    if os.path.commonpath([path, media_dir]) != media_dir:
-        raise UsageError(f"{what}: {path} is outside the server's --media-dir ({media_dir})")
-    return images.read_file(path, what)
 
 
 def _usage(run: Run, jobs: list[Job]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class _Body(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class _Request(_Body):
+class RequestBody(_Body):
     """A whole request body: its text is checked once, nested parts included."""
 
     @model_validator(mode="before")
@@ -69,7 +69,7 @@ _WIRE: dict[str, Any] = {"float": float, "int": int, "bool": bool, "stops": str 
                          "drafter": bool | str, "text": str, "choice": str}
 
 
-def _with_settings(front: str, base: type[BaseModel], only: tuple[str, ...] = ()) -> Any:
+def with_settings(front: str, base: type[BaseModel], only: tuple[str, ...] = ()) -> Any:
     """`base` with a field for each setting the API names (settings.named; `only` those), and one
     for each field of the API that localrun refuses (settings.REFUSED), so a request that sets it
     can be refused."""
@@ -80,17 +80,17 @@ def _with_settings(front: str, base: type[BaseModel], only: tuple[str, ...] = ()
     return create_model(f"{base.__name__}_{front}", __base__=base, **fields)
 
 
-class _Settings(_Request):
+class SettingsBody(RequestBody):
     """A body with the table's fields for its API (FRONT)."""
 
     FRONT: ClassVar[str] = ""
 
     def settings(self) -> dict[str, Any]:
         """The settings this body gives, by field name, checked by the table; refused fields are a 400."""
-        return _given(self, self.FRONT)
+        return given_settings(self, self.FRONT)
 
 
-def _given(body: BaseModel, front: str, scope: str | None = None) -> dict[str, Any]:
+def given_settings(body: BaseModel, front: str, scope: str | None = None) -> dict[str, Any]:
     names = settings.named(front, scope)
     values = {k: getattr(body, k) for k in body.model_fields_set if k in names or k in settings.REFUSED.get(front, {})}
     settings.refuse(front, values)
@@ -98,9 +98,9 @@ def _given(body: BaseModel, front: str, scope: str | None = None) -> dict[str, A
 
 
 if TYPE_CHECKING:
-    _OpenAISettings = _Settings
+    _OpenAISettings = SettingsBody
 else:
-    _OpenAISettings = _with_settings("openai", _Settings)
+    _OpenAISettings = with_settings("openai", SettingsBody)
 
 
 # -- OpenAI ---------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class CompletionRequest(Sampling):
         return response_constraint(self.response_format)  # an extension, as llama-server has
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestBody):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -242,7 +242,7 @@ class EmbeddingRequest(_Request):
 # -- Ollama ---------------------------------------------------------------------------------
 
 
-class _Named(_Request):
+class _Named(RequestBody):
     """Ollama accepts the model under `model` or, in older clients, `name`."""
 
     model: str = ""
@@ -263,7 +263,7 @@ class _Named(_Request):
 if TYPE_CHECKING:
     _OllamaSettings = _Body
 else:
-    _OllamaSettings = _with_settings("ollama", _Body)
+    _OllamaSettings = with_settings("ollama", _Body)
 
 
 class OllamaOptions(_OllamaSettings):
@@ -275,11 +275,11 @@ class OllamaOptions(_OllamaSettings):
 
     def load_options(self, base: LoadOptions) -> LoadOptions | None:
         """The server's load options with this request's num_ctx and kv_cache_type (None: neither is set)."""
-        load = _given(self, "ollama", "load")
+        load = given_settings(self, "ollama", "load")
         return replace(base, **load) if load else None
 
     def settings(self) -> dict[str, Any]:
-        return _given(self, "ollama", "generation")
+        return given_settings(self, "ollama", "generation")
 
 
 class _Loading(_Named):
@@ -296,7 +296,7 @@ _OLLAMA_TOP = ("think_budget", "speculative")
 if TYPE_CHECKING:
     _OllamaTop = _Loading
 else:
-    _OllamaTop = _with_settings("ollama", _Loading, only=_OLLAMA_TOP)
+    _OllamaTop = with_settings("ollama", _Loading, only=_OLLAMA_TOP)
 
 
 class OllamaGenerating(_OllamaTop):
@@ -403,7 +403,7 @@ class OllamaCreateRequest(_Named):
     stream: bool = True
 
 
-class OllamaCopyRequest(_Request):
+class OllamaCopyRequest(RequestBody):
     source: str
     destination: str
 
