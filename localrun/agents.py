@@ -138,3 +138,23 @@ def _toml(value: str) -> str:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+# -- Claude Code -----------------------------------------------------------------------------------
+
+
+def claude_env(url: str, model: str, small: str | None = None, api_key: str | None = None) -> dict[str, str]:
+    """Claude Code's environment for a localrun server: the base URL, a token (the server's key, or
+    any), the model for every tier and sub-agents (a small one for the haiku tier when given), no
+    traffic to Anthropic beyond the requests, and a timeout a local model's long prompt fits."""
+    return {
+        "ANTHROPIC_BASE_URL": url.rstrip("/"),
+        "ANTHROPIC_AUTH_TOKEN": api_key or "localrun",
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": small or model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "API_TIMEOUT_MS": "3000000",
+    }

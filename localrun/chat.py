@@ -366,6 +366,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.longest = max((len(s) for s in self.stops), default=0)
         self.pending = ""
+        self.hit: str | None = None  # the stop sequence that ended the text, once one has
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add generated text; return (text safe to emit, whether a stop sequence was hit)."""
@@ -376,7 +377,7 @@ class StopMatcher:
         for s in self.stops:
             i = self.pending.find(s)
             if i != -1 and (first == -1 or i < first):
-                first = i
+                first, self.hit = i, s
         if first != -1:
             out, self.pending = self.pending[:first], ""
             return out, True

@@ -30,7 +30,9 @@ _ANNOTATIONS = frozenset({
 FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 # Compact separators and no free whitespace: a small model cannot wander off into blank lines.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# oneOf is taken as anyOf (llguidance cannot enforce "exactly one"): what agents' tools declare
+# (Qwen Code's) then constrains instead of failing the request.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
 KINDS = ("json", "schema", "grammar", "choice", "regex", "lark")
 
 
@@ -81,6 +83,28 @@ def _walk(node: Any, where: str, path: str) -> None:
             raise UsageError(f"invalid {where}: '{key}' at {at} must be a non-empty list of schemas")
         for i, child in enumerate(sub):
             _walk(child, where, f"{path}/{key}/{i}")
+
+
+def enforceable(node: Any) -> Any:
+    """A copy of a schema without the keywords the decoder cannot enforce (propertyNames, if/then,
+    uniqueItems...) and string formats it does not know. For a tool's parameters: the tool checks
+    its own input, and an agent's tools (Claude Code's) must not fail a request over a keyword
+    the grammar cannot hold; a response format keeps check_schema's refusal instead."""
+    if isinstance(node, list):
+        return [enforceable(n) for n in node]
+    if not isinstance(node, Mapping):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, Mapping):
+            out[key] = {name: enforceable(child) for name, child in value.items()}
+        elif key == "format" and value not in FORMATS:
+            continue
+        elif key in ("enum", "const", "default", "examples") or key in _ANNOTATIONS or str(key).startswith("x-"):
+            out[key] = value
+        elif key in _ENFORCED:
+            out[key] = enforceable(value)
+    return out
 
 
 def closed_objects(node: Any) -> Any:

@@ -112,6 +112,7 @@ class Chunk:
     drafted_tokens: int = 0  # on the last chunk: tokens speculative decoding drafted for the reply
     accepted_tokens: int = 0  # of those, the ones the model kept
     images_encoded: int = 0  # on the last chunk: images the prompt's evaluation encoded (cached ones are not)
+    stop_sequence: str | None = None  # on the last chunk: the request's stop sequence that ended the reply
 
     @classmethod
     def final(cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, t_start: float,

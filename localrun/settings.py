@@ -302,6 +302,8 @@ REFUSED: dict[str, dict[str, Any]] = {
     # background runs, server-side conversations and prompt templates, dropping old items to fit
     "responses": {"background": False, "conversation": None, "prompt": None, "truncation": "disabled",
                   "max_tool_calls": None, "image": None},
+    # a code-execution container and MCP servers Anthropic would run
+    "anthropic": {"container": None, "mcp_servers": None},
 }
 # Fields of the APIs that localrun accepts and does not use: they change no token of the reply
 # (OpenAI's bookkeeping; Ollama's load-time options, which follow the server's own settings).
@@ -313,6 +315,8 @@ IGNORED: dict[str, tuple[str, ...]] = {
     "responses": ("user", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
                   "safety_identifier", "moderation", "stream_options", "access_programs", "background_options",
                   "context_management", "client_metadata"),
+    "anthropic": ("metadata", "service_tier", "cache_control", "context_management", "diagnostics", "inference_geo",
+                  "speed", "user_profile_id", "workspace_id"),
 }
 
 

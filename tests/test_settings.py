@@ -40,6 +40,15 @@ def _responses_fields() -> set[str]:
     return set(response_create_params.ResponseCreateParamsBase.__annotations__)
 
 
+ANTHROPIC_ENDPOINT = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "stream"}
+
+
+def _anthropic_fields() -> set[str]:
+    from anthropic.types import message_create_params
+
+    return set(message_create_params.MessageCreateParamsBase.__annotations__)
+
+
 def _ollama_options() -> set[str]:
     import ollama._types
 
@@ -48,6 +57,7 @@ def _ollama_options() -> set[str]:
 
 @pytest.mark.parametrize(("front", "fields", "own"), [("openai", _openai_fields, OPENAI_ENDPOINT),
                                                        ("responses", _responses_fields, RESPONSES_ENDPOINT),
+                                                       ("anthropic", _anthropic_fields, ANTHROPIC_ENDPOINT),
                                                        ("ollama", _ollama_options, set())])
 def test_every_field_of_the_official_clients_is_applied_refused_or_declared_inert(front: str, fields: Any,
                                                                                   own: set[str]) -> None:

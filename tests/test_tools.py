@@ -465,13 +465,21 @@ def test_bad_tools(raw: Any, message: str) -> None:
         tools.parse_tools(raw)
 
 
-def test_tool_schema_keywords_are_checked() -> None:
-    constraint = pytest.importorskip("localrun.constraint")
-    if not hasattr(constraint, "check_schema"):
-        pytest.skip("localrun.constraint has no check_schema")
-    bad = {"type": "object", "properties": {"x": {"type": "string", "contentEncoding": "base64"}}}
-    with pytest.raises(UsageError, match="contentEncoding.*parameters of tool 'f'"):
-        tools.parse_tools([{"type": "function", "function": {"name": "f", "parameters": bad}}])
+def test_tool_schema_keywords_the_decoder_cannot_enforce_are_left_to_the_tool() -> None:
+    """A tool checks its own input: keywords no grammar holds (Claude Code's propertyNames, a
+    content encoding, an unknown format) leave the call's grammar, never fail the request; a
+    schema that is not one is still refused."""
+    loose = {"type": "object", "properties": {
+        "x": {"type": "string", "contentEncoding": "base64", "format": "binary", "description": "d"},
+        "tags": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}},
+        "type": {"type": "integer", "uniqueItems": True}}, "required": ["x"]}
+    (tool,) = tools.parse_tools([{"type": "function", "function": {"name": "f", "parameters": loose}}])
+    assert tool["function"]["parameters"] == {"type": "object", "required": ["x"], "properties": {
+        "x": {"type": "string", "description": "d"}, "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+        "type": {"type": "integer"}}}
+    broken = {"type": "object", "properties": {"x": {"type": "strings"}}}
+    with pytest.raises(UsageError, match="parameters of tool 'f': unknown type 'strings'"):
+        tools.parse_tools([{"type": "function", "function": {"name": "f", "parameters": broken}}])
 
 
 def test_tools_are_normalized() -> None:

@@ -315,9 +315,10 @@ class Session(Protocol):
         ...
 
     def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None],
-              stream: bool = True) -> Ticket:
+              stream: bool = True, report: bool = False) -> Ticket:
         """Submit a request whose chunks go to `deliver` (called on the engine's reader thread);
-        with stream False, its text comes in one chunk when it ends, before the final one.
+        with stream False, its text comes in one chunk when it ends, before the final one; with
+        report, a first empty chunk carries prompt_tokens and cached_tokens once it is admitted.
 
         Returns:
             A Ticket: cancel(), wait(timeout) -> bool, and after the end .final (the last

@@ -46,6 +46,11 @@ class Sink(Protocol):
 
     def error(self, rid: Any, error: LocalrunError) -> None: ...
 
+    def admitted(self, rid: Any, prompt_tokens: int, cached_tokens: int) -> None:
+        """The request took a slot: its prompt's size and how much of it the KV cache held (sent
+        only for requests submitted with report=True)."""
+        ...
+
 
 def _lcp(a: list[int], b: list[int], limit: int) -> int:
     """Length of the common prefix of a and b, at most limit."""
@@ -61,7 +66,7 @@ class _Job:
 
     __slots__ = ("rid", "tokens", "params", "stops", "stream", "seed", "matcher", "detok", "parts", "lps",
                  "slot", "n_gen", "budget", "generated", "t0", "t1", "sampled", "reused", "lora", "split",
-                 "thought", "n_thought", "closing", "drafts", "images", "cells")
+                 "thought", "n_thought", "closing", "drafts", "images", "cells", "report")
 
     def __init__(self, rid: Any, tokens: list[int], params: GenerationParams, stops: list[str], stream: bool,
                  n_ctx: int, split: Splitter | None = None, closing: str = "", cells: int | None = None) -> None:
@@ -90,6 +95,7 @@ class _Job:
         self.closing = closing  # what ends the thought at its budget ("" once inserted)
         self.drafts = (0, 0)  # speculative decoding: tokens drafted, and kept, over the reply
         self.images = 0  # images its prompt evaluation encoded (not those found in the KV cache)
+        self.report = False  # tell the sink when it is admitted (Sink.admitted)
 
 
 class EngineLoop:
@@ -119,8 +125,10 @@ class EngineLoop:
         return sum(j is not None for j in self.slots)
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, rid: Any, request: Request, params: GenerationParams, stream: bool = True) -> None:
-        """Queue a request; an error (bad prompt, context overflow, full queue) goes to the sink."""
+    def submit(self, rid: Any, request: Request, params: GenerationParams, stream: bool = True,
+               report: bool = False) -> None:
+        """Queue a request; an error (bad prompt, context overflow, full queue) goes to the sink.
+        With report, the sink hears when it is admitted (its prompt's size and cached part)."""
         try:
             free = len(self.slots) - self.running()
             if self.max_queue and len(self.queue) >= self.max_queue + free:
@@ -151,6 +159,7 @@ class EngineLoop:
         fmt = self.engine.reasoning
         closing = fmt.closing_text if split is not None and fmt is not None and params.think_budget is not None else ""
         job = _Job(rid, tokens, params, stops, stream, n_ctx, split, closing, cells)
+        job.report = report
         self.jobs[rid] = job
         self.queue.append(job)
 
@@ -319,6 +328,9 @@ class EngineLoop:
                 self.sink.error(job.rid, e)
                 continue
             job.slot = slot
+            if job.report:
+                cached = job.reused if job.cells == len(job.tokens) else self._cells(job.tokens[:job.reused])
+                self.sink.admitted(job.rid, job.cells, cached)
             self.prompt_tokens += len(job.tokens) - job.reused
             self.cached[slot] = []
             self.slots[slot] = job
@@ -419,6 +431,8 @@ class EngineLoop:
             final = dataclasses.replace(final, drafted_tokens=job.drafts[0], accepted_tokens=job.drafts[1])
         if job.images:
             final = dataclasses.replace(final, images_encoded=job.images)
+        if finish == "stop" and job.matcher.hit in job.params.stop:  # the request's own, not the template's
+            final = dataclasses.replace(final, stop_sequence=job.matcher.hit)
         if job.stream:
             self.sink.done(job.rid, final, None)
         else:
@@ -438,6 +452,9 @@ class _Collect:
 
     def error(self, rid: Any, error: LocalrunError) -> None:
         self.failure = error
+
+    def admitted(self, rid: Any, prompt_tokens: int, cached_tokens: int) -> None:
+        """Not asked for here (InProcess submits without report)."""
 
 
 class InProcess:

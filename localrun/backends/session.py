@@ -217,16 +217,17 @@ class WorkerSession:
         return Embeddings(out["vectors"], out["prompt_tokens"])
 
     def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None],
-              stream: bool = True) -> Ticket:
+              stream: bool = True, report: bool = False) -> Ticket:
         """Submit a request whose chunks are handed to `deliver` on the engine's reader thread as
         they arrive (no thread of the caller wakes per token: the server's path). With stream
         False the engine keeps the reply until it ends and sends it in one message (one text chunk,
-        then the final one): a reply nobody reads as it grows costs no message per token."""
+        then the final one): a reply nobody reads as it grows costs no message per token. With
+        report, a first empty chunk says the prompt's size and cached part when it is admitted."""
         ticket = Ticket(self)
         rid, _ = self._open(_Delivery(deliver, ticket))  # type: ignore[arg-type]
         ticket.rid = rid
         self._send({"op": "submit", "i": rid, "request": request.to_dict(), "params": params.to_dict(),
-                    "stream": stream})
+                    "stream": stream, "report": report})
         return ticket
 
     def cancel_request(self, rid: int) -> None:
@@ -402,6 +403,10 @@ class _Delivery:
         if isinstance(msg, LocalrunError):
             t.error = msg
         else:
+            counts = msg.get("p")
+            if counts is not None:  # admitted: an empty chunk with the prompt's counts
+                self.deliver(Chunk(prompt_tokens=counts[0], cached_tokens=counts[1]))
+                return
             text = msg.get("t")
             if text is not None:
                 lps = msg.get("l")

@@ -51,6 +51,9 @@ class _PipeSink:
     def error(self, rid: Any, error: LocalrunError) -> None:
         self.send({"i": rid, "error": error_to_wire(error)})
 
+    def admitted(self, rid: Any, prompt_tokens: int, cached_tokens: int) -> None:
+        self.send({"i": rid, "p": [prompt_tokens, cached_tokens]})
+
 
 STATS_EVERY_S = 0.25
 
@@ -76,7 +79,7 @@ def serve() -> None:
             try:
                 if op == "submit" and loop is not None:
                     loop.submit(rid, Request.from_dict(msg["request"]), GenerationParams.from_dict(msg["params"]),
-                                stream=msg.get("stream", True))
+                                stream=msg.get("stream", True), report=msg.get("report", False))
                 elif op == "cancel" and loop is not None:
                     loop.cancel(rid)
                 elif op == "call" and engine is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx", type=int, metavar="N",
                    help="context of the server it starts (default: enough for the agent's prompts, within the "
                         "model's and memory's limits)")
+    p.add_argument("--small", metavar="MODEL",
+                   help="claude: the model for the small tier (titles, summaries; the haiku models), default MODEL")
     p.add_argument("--config", action="store_true",
                    help="print the agent's configuration for this model and server instead of running it")
     p.set_defaults(func=cmd_launch, takes_rest=True)
@@ -58,9 +61,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
                                               home() / "agents", key_env)
         env = dict(os.environ)
     else:
-        from localrun.errors import UsageError
-
-        raise UsageError(f"launching {agent.name} is not available yet")
+        small = api.resolve_target(args.small).name if args.small else None
+        env = {**os.environ, **agents.claude_env(url, name, small, os.environ.get("LOCALRUN_API_KEY"))}
+        env.pop("ANTHROPIC_API_KEY", None)  # a key for Anthropic's servers would be sent to this one
+        agent_args, text = [], "".join(f"export {k}={shlex.quote(v)}\n"
+                                       for k, v in agents.claude_env(url, name, small).items())
     if args.config:
         print(text, end="")
         return 0

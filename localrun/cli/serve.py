@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-queue", type=int_in(0), default=64, metavar="N",
                    help="requests that may wait per model beyond --parallel; more get 503 (default 64)")
     m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
+    m.add_argument("--alias", action="append", default=[], metavar="PATTERN=MODEL",
+                   help="serve MODEL for requested names that match PATTERN (* and ? wildcards): the model tiers "
+                        "an agent asks for, e.g. --alias 'claude-haiku-*=qwen3:4b' --alias 'claude-*=qwen3:30b' "
+                        "(the first match wins; repeatable)")
     m.add_argument("--keep-alive", type=_duration, default=300.0, metavar="DURATION",
                    help="how long a model stays loaded after its last request: seconds, '5m', '1h', -1 for forever (default 5m)")
     # Generation flags are the server's defaults: under each request's own settings, its preset's and its
@@ -71,6 +75,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     ps.add_argument("--api-key", help="the server's API key (default: $LOCALRUN_API_KEY)")
     ps.add_argument("--json", action="store_true", help="print the server's JSON answer")
     ps.set_defaults(func=cmd_ps)
+
+
+def _aliases(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """--alias PATTERN=MODEL pairs, each model checked to be installed."""
+    from localrun import api
+    from localrun.errors import UsageError
+
+    out = []
+    for value in values:
+        pattern, sep, model = value.partition("=")
+        if not sep or not pattern.strip() or not model.strip():
+            raise UsageError(f"invalid --alias {value!r}", "give PATTERN=MODEL, e.g. 'claude-haiku-*=qwen3:4b'")
+        api.get_model(model.strip())
+        out.append((pattern.strip(), model.strip()))
+    return tuple(out)
 
 
 def bind(host: str, port: int) -> Any:
@@ -130,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         config = ServerConfig(host=args.host, port=sock.getsockname()[1], api_key=key, origins=origins, allow_pull=args.allow_pull,
                               lora=_default_adapters(args.lora), settings=settings.from_args(args),
+                              aliases=_aliases(args.alias),
                               media_dir=os.path.realpath(args.media_dir) if args.media_dir else None,
                               allow_fetch=args.allow_fetch)
         err = sys.stderr

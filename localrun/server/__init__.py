@@ -73,13 +73,25 @@ def resolve_model(name: str) -> ModelInfo:
         if candidate in names:
             return api.get_model(candidate)
     close = difflib.get_close_matches(wanted, names, n=3, cutoff=0.5)
+    listed = ", ".join(display_name(n) for n in sorted(names)[:20]) or "none"
     hint = f"did you mean {', '.join(repr(display_name(c)) for c in close)}?" if close else \
-        "list the installed models with GET /api/tags or /v1/models"
+        f"installed: {listed}; or map the name to one with 'serve --alias PATTERN=MODEL'"
     raise ModelNotFoundError(f"model '{name}' is not installed", hint)
 
 
+def aliased(name: str, aliases: tuple[tuple[str, str], ...] = ()) -> str:
+    """The model a requested name stands for under `serve --alias PATTERN=MODEL` (the first pattern
+    that matches, * and ? as in file names: claude-haiku-*=qwen3:4b), else the name itself."""
+    import fnmatch
+
+    for pattern, model in aliases:
+        if fnmatch.fnmatchcase(name, pattern):
+            return model
+    return name
+
+
 def resolve_target(name: str, lora: list[Any] | None = None,
-                   defaults: tuple[tuple[str, float], ...] = ()) -> Target:
+                   defaults: tuple[tuple[str, float], ...] = (), aliases: tuple[tuple[str, str], ...] = ()) -> Target:
     """The base model and adapters of a request: `model` may name an adapter (its base runs with
     it) or `base+adapter[:scale]+...` (Ollama-style), and `lora` (an extension) adds adapters as
     [{"name", "scale"}]. Like models, adapters resolve only through the store, never as paths.
@@ -87,7 +99,7 @@ def resolve_target(name: str, lora: list[Any] | None = None,
     `defaults` (serve --lora) runs with those."""
     from localrun import adapters
 
-    parts = name.split("+")
+    parts = aliased(name, aliases).split("+")
     base = resolve_model(parts[0])
     refs: list[tuple[ModelInfo, float]] = []
     for spec in parts[1:]:

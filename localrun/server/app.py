@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localrun.errors import LocalrunError
-from localrun.server import errors, host_allowed, ollama, openai, origin_regex, responses
+from localrun.server import errors, host_allowed, messages, ollama, openai, origin_regex, responses
 from localrun.server.response_store import ResponseStore
 from localrun.server.streams import (  # noqa: F401 - ServerConfig and RequestRecord are this module's API too
     MAX_BODY,
@@ -183,7 +183,8 @@ class JsonBodies:
 
 
 class ApiKey:
-    """`Authorization: Bearer KEY` on every route but /health and CORS preflights."""
+    """`Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every route but /health and
+    CORS preflights."""
 
     PUBLIC = ("/health",)
 
@@ -193,8 +194,11 @@ class ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.key and scope["path"] not in self.PUBLIC and scope["method"] != "OPTIONS":
-            auth = Headers(scope=scope).get("authorization", "")
+            headers = Headers(scope=scope)
+            auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
+            if headers.get("x-api-key") is not None:
+                scheme, token, auth = "bearer", headers["x-api-key"], auth or "x-api-key"
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key):
                 text = "invalid API key" if auth else "an API key is required: send 'Authorization: Bearer KEY'"
                 await _json(send, 401, errors.http_body(scope["path"], 401, text))
@@ -207,6 +211,8 @@ class ApiKey:
 
 def error_response(request: HttpRequest, error: LocalrunError, param: str | None = None) -> JSONResponse:
     """A localrun error in the shape of the request's API family."""
+    if errors.is_anthropic_path(request.url.path):
+        return JSONResponse(errors.anthropic_body(error), status_code=errors.anthropic_status(error))
     if errors.is_openai_path(request.url.path):
         param = param or getattr(error, "param", None)
         return JSONResponse(errors.openai_body(error, param), status_code=errors.openai_status(error))
@@ -239,6 +245,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: HttpRequest, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         text, param = _validation_text(exc)
+        if errors.is_anthropic_path(request.url.path):  # never a 500 for a malformed body
+            return JSONResponse(errors.anthropic_http(400, text), status_code=400)
         if errors.is_openai_path(request.url.path):
             return JSONResponse(errors.openai_http(400, text, param), status_code=400)
         return JSONResponse({"error": text}, status_code=400)
@@ -286,5 +294,6 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(ollama.router)
     return app

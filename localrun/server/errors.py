@@ -50,6 +50,23 @@ OLLAMA: dict[type[LocalrunError], int] = {
     LocalrunError: 500,
 }
 
+# error class -> (HTTP status, Anthropic error "type"); 529 is Anthropic's "overloaded".
+ANTHROPIC: dict[type[LocalrunError], tuple[int, str]] = {
+    ModelNotFoundError: (404, "not_found_error"),
+    NotFoundError: (404, "not_found_error"),
+    ContextOverflowError: (400, "invalid_request_error"),
+    UsageError: (400, "invalid_request_error"),
+    ServerBusyError: (529, "overloaded_error"),
+    EngineError: (500, "api_error"),
+    BackendUnavailableError: (400, "invalid_request_error"),
+    BadModelFileError: (500, "api_error"),
+    HubError: (502, "api_error"),
+    CancelledError: (499, "invalid_request_error"),
+    LocalrunError: (500, "api_error"),
+}
+_ANTHROPIC_HTTP = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error"}
+
 # Plain HTTP failures outside any endpoint (auth, body size, unknown route).
 _HTTP_TYPES = {401: ("authentication_error", "invalid_api_key"), 403: ("permission_error", None),
                404: ("invalid_request_error", "not_found"), 405: ("invalid_request_error", None),
@@ -92,11 +109,38 @@ def ollama_body(error: LocalrunError) -> dict[str, Any]:
     return {"error": message(error)}
 
 
+def anthropic_status(error: LocalrunError) -> int:
+    return int(_lookup(ANTHROPIC, error)[0])
+
+
+def anthropic_body(error: LocalrunError) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}}; a prompt past the context in Anthropic's words."""
+    text = message(error)
+    if isinstance(error, ContextOverflowError):
+        import re
+
+        m = re.search(r"the prompt is (\d+) tokens but the context holds (\d+)", text)
+        text = f"prompt is too long: {m.group(1)} tokens > {m.group(2)} maximum" if m else text
+    return {"type": "error", "error": {"type": _lookup(ANTHROPIC, error)[1], "message": text}}
+
+
+def anthropic_http(status: int, text: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_HTTP.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": text}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a request path belongs to Anthropic's Messages API (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def is_openai_path(path: str) -> bool:
     """Whether a request path belongs to the OpenAI family (its errors take OpenAI's shape)."""
     return path == "/v1" or path.startswith("/v1/")
 
 
 def http_body(path: str, status: int, text: str) -> dict[str, Any]:
-    """The error body of either family for a plain HTTP failure on `path`."""
+    """The error body of the path's API family for a plain HTTP failure on it."""
+    if is_anthropic_path(path):
+        return anthropic_http(status, text)
     return openai_http(status, text) if is_openai_path(path) else {"error": text}

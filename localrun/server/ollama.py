@@ -54,7 +54,7 @@ from localrun.store import ModelInfo
 from localrun.tools import ToolPlan
 
 router = APIRouter()
-VERSION = "0.12.0"  # the Ollama API version this server speaks; clients check it is recent enough
+VERSION = "0.13.5"  # the Ollama API version this server speaks (Responses API: 0.13.3); clients check it
 NDJSON = "application/x-ndjson"
 FOREVER = timedelta(days=365 * 292)  # Ollama reports "never expires" as now + the largest Go duration
 
@@ -99,7 +99,8 @@ async def _model(name: str) -> ModelInfo:
 
 
 async def _target(request: HttpRequest, name: str, lora: list[Any] | None) -> Target:
-    return await asyncio.to_thread(resolve_target, name, lora, config_of(request).lora)
+    config = config_of(request)
+    return await asyncio.to_thread(resolve_target, name, lora, config.lora, config.aliases)
 
 
 def _digest(m: ModelInfo) -> str:

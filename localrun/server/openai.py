@@ -172,7 +172,8 @@ async def _model(name: str) -> ModelInfo:
 
 
 async def _target(request: HttpRequest, name: str, lora: list[Any] | None) -> Target:
-    return await asyncio.to_thread(resolve_target, name, lora, config_of(request).lora)
+    config = config_of(request)
+    return await asyncio.to_thread(resolve_target, name, lora, config.lora, config.aliases)
 
 
 def _model_object(m: ModelInfo) -> dict[str, Any]:
@@ -187,9 +188,13 @@ def _model_object(m: ModelInfo) -> dict[str, Any]:
 
 
 @router.get("/models")
-async def list_models() -> dict[str, Any]:
-    """The installed models."""
+async def list_models(request: HttpRequest) -> dict[str, Any]:
+    """The installed models (in Anthropic's shape for a client that sends anthropic-version)."""
     models = await asyncio.to_thread(api.list_models)
+    if "anthropic-version" in request.headers:
+        from localrun.server.messages import models as anthropic_models
+
+        return anthropic_models(models)
     return {"object": "list", "data": [_model_object(m) for m in models]}
 
 

@@ -321,7 +321,7 @@ class _Prepared:
 
 async def _prepare(body: ResponsesRequest, request: HttpRequest) -> _Prepared:
     config = config_of(request)
-    target = await asyncio.to_thread(resolve_target, body.model, body.lora, config.lora)
+    target = await asyncio.to_thread(resolve_target, body.model, body.lora, config.lora, config.aliases)
     tools, names, notes = _tools(body.tools)
     for note in notes:
         if note not in _NOTED:  # once per server run: agents send their tools with every request

@@ -79,6 +79,8 @@ class ServerConfig:
     # `serve`'s generation flags (--temperature, --draft, ...): settings under every request's,
     # its preset's and its model's (settings.resolve's defaults)
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # `serve --alias PATTERN=MODEL`: requested names (an agent's claude-haiku-4-5) and the models they run
+    aliases: tuple[tuple[str, str], ...] = ()
     media_dir: str | None = None  # `serve --media-dir`: where OpenAI file:// image URLs may point
     allow_fetch: bool = False  # `serve --allow-fetch`: OpenAI image URLs over http(s) are fetched
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
@@ -263,7 +265,7 @@ _END = object()
 
 
 def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive: float | None,
-              options: LoadOptions | None = None, stream: bool = True) -> Run:
+              options: LoadOptions | None = None, stream: bool = True, report: bool = False) -> Run:
     """Start the jobs on the pooled model (with the target's adapters): one session.start per
     job, as parallel sequences. `options`: the client's load options (an Ollama num_ctx or
     kv_cache_type over the server's), which choose the instance that answers. With stream False
@@ -280,8 +282,9 @@ def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive:
                 if run.cancel.is_set():
                     return
                 # Chunks go from the engine's reader thread straight to the event loop; this
-                # thread only holds the model until the request ends.
-                ticket = session.start(target.request(job.request), job.params, emit, stream)
+                # thread only holds the model until the request ends. With report, the first
+                # chunk (empty) says how much of the prompt the KV cache held when it was admitted.
+                ticket = session.start(target.request(job.request), job.params, emit, stream, report)
                 run.on_cancel(ticket.cancel)
                 ticket.wait()
                 if ticket.error is not None:

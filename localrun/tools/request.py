@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from localrun.constraint import check_schema
+from localrun.constraint import check_schema, enforceable
 from localrun.errors import UsageError
 
 CHOICES = ("auto", "required", "none")
@@ -60,6 +60,7 @@ def _parameters(name: str, params: Any) -> dict[str, Any]:
         params = json.loads(json.dumps(params))
     except (TypeError, ValueError) as e:
         raise UsageError(f"tool '{name}': 'parameters' is not JSON ({e})") from e
+    params = enforceable(params)  # what a tool declares beyond that, the tool checks itself
     check_schema(params, f"parameters of tool '{name}'")
     return params
 

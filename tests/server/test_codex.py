@@ -113,3 +113,17 @@ def test_a_prompt_past_the_context_is_a_full_window_to_codex(tmp_path: Path) -> 
         finally:
             _stop(proc)
     assert "ran out of room in the model's context window" in failed["error"]["message"]
+
+
+def test_codex_oss_takes_localrun_for_ollama(tmp_path: Path) -> None:
+    """`codex --oss` checks the Ollama version (/api/version: 0.13.4 or newer, for its Responses
+    API), lists the models, then sends its requests: it gets as far as the model's context."""
+    env = codex_env(tmp_path / "codex-home")
+    with serve_command("--ctx", "8192", "--parallel", "1") as (url, _):
+        out = subprocess.run([env["LOCALRUN_CODEX"], "exec", "--oss", "--local-provider", "ollama", "-m", MODEL,
+                              "--skip-git-repo-check", "--ephemeral", "--json", "hi"],
+                             cwd=tmp_path, env={**env, "CODEX_OSS_BASE_URL": f"{url}/v1"}, stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=300)
+    failed = [json.loads(line) for line in out.stdout.splitlines() if '"turn.failed"' in line]
+    assert failed, out.stdout + out.stderr  # a version it refuses ends before any turn
+    assert "ran out of room in the model's context window" in failed[0]["error"]["message"]

@@ -299,3 +299,26 @@ def test_the_agents_sdk_runs_a_tool_with_both_models(served: Served) -> None:
         result = Runner.run_sync(agent, "What is the weather in Paris?")
         assert result.final_output == f"Sunny in {calls[-1]}" and calls[-1]
     assert len(calls) == 2
+
+
+def test_one_of_in_a_tool_schema_is_taken_as_any_of_on_every_api(served: Served) -> None:
+    """Qwen Code's tools carry oneOf of objects; "exactly one" cannot be enforced while generating,
+    so it is approximated as anyOf (as llguidance's coerce_one_of does), not refused."""
+    import jsonschema
+
+    params = {"type": "object", "required": ["target"], "properties": {"target": {"oneOf": [
+        {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}]}}}
+    any_of = json.loads(json.dumps(params).replace("oneOf", "anyOf"))
+    chat = served.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Open README.md"}], temperature=0,
+        tools=[{"type": "function", "function": {"name": "open", "parameters": params}}], tool_choice="required")
+    jsonschema.validate(json.loads(chat.choices[0].message.tool_calls[0].function.arguments), any_of)
+    resp = served.openai().responses.create(model=MODEL, input="Open README.md", temperature=0,
+                                            tools=[{"type": "function", "name": "open", "parameters": params}],
+                                            tool_choice="required")
+    jsonschema.validate(json.loads(resp.output[0].arguments), any_of)
+    ollama = served.ollama().chat(model=MODEL, messages=[{"role": "user", "content": "Open README.md"}],
+                                  tools=[{"type": "function", "function": {"name": "open", "parameters": params}}],
+                                  options={"temperature": 0})
+    assert ollama.message is not None  # accepted (auto: the model may answer instead of calling)

@@ -120,3 +120,25 @@ def test_http_image_urls_are_fetched_only_with_allow_fetch(vl: VisionModel, pict
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url + ".missing"}}]}])
     finally:
         files.shutdown()
+
+
+def test_images_on_the_responses_and_messages_apis(vserved: Served, pictures: list[Path], refs: list[str]) -> None:
+    """An input_image part (Responses) and an image block (Messages, base64 and url) give the
+    replies transformers gives for the same pixels."""
+    import anthropic
+
+    responses = vserved.openai().responses
+    for picture, ref in zip(pictures, refs, strict=True):
+        reply = responses.create(model=VL, temperature=0, max_output_tokens=8, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_uri(picture)}, {"type": "input_text", "text": PROMPT}]}])
+        assert reply.output_text == ref
+    messages = anthropic.Anthropic(base_url=vserved.url, api_key="unused", max_retries=0).messages
+    encoded = base64.b64encode(pictures[1].read_bytes()).decode()
+    for source in ({"type": "base64", "media_type": "image/png", "data": encoded},
+                   {"type": "url", "url": pictures[1].resolve().as_uri()}):
+        reply = messages.create(model=VL, max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+            {"type": "image", "source": source}, {"type": "text", "text": PROMPT}]}])
+        assert reply.content[0].text == refs[1]
+    with pytest.raises(anthropic.BadRequestError, match="does not support images"):
+        messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}}]}])
