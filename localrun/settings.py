@@ -235,6 +235,9 @@ class LoadOptions:
         help="tokens evaluated per step of a prompt", modelfile="num_batch")
     n_parallel: int = 1
     max_queue: int = 0  # requests waiting beyond n_parallel; 0: unbounded
+    # MiB of host memory for prompt prefixes evicted from the KV cache (restored when a prompt
+    # starts with one again); None: 4096, at most an eighth of the memory; 0: none
+    cache_ram: int | None = None
     # LoRA adapters applied when the model loads, as (PEFT adapter folder, scale): the MLX engine's
     # way (llama.cpp applies GGUF adapters per request instead: GenerationParams.lora).
     lora: tuple[tuple[str, float], ...] = ()
@@ -267,6 +270,7 @@ class LoadOptions:
                              "or keep the f16 cache")
         _check(self.n_parallel >= 1, "--parallel", self.n_parallel, "an integer >= 1")
         _check(self.max_queue >= 0, "--max-queue", self.max_queue, "an integer >= 0")
+        _check(self.cache_ram is None or self.cache_ram >= 0, "--cache-ram", self.cache_ram, "MiB >= 0")
         object.__setattr__(self, "lora", adapters(self.lora))
 
     def to_dict(self) -> dict[str, Any]:

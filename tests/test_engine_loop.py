@@ -162,6 +162,63 @@ def test_a_new_conversation_does_not_evict_another_that_shares_only_its_start(en
     assert rec.final("a2").cached_tokens >= held - 1
 
 
+LONG_SYSTEM = " ".join(f"Rule {i}: answer in one short sentence about topic number {i}." for i in range(40))
+
+
+def _turn(question: str, history: list[dict[str, str]], system: str = LONG_SYSTEM) -> Request:
+    return api.build_messages(question, system, history)
+
+
+def _doc(topic: str) -> str:
+    return f"Here are my notes on {topic}. " + " ".join(f"Note {i}: {topic} fact {i} matters." for i in range(15))
+
+
+def _conversation(cache_ram: int) -> tuple[Record, EngineLoop, dict[str, int]]:
+    """One slot: conversation A, then B (another prompt, which takes the slot), then A's next turn;
+    then a branch of A (its first question asked again with other notes), then A's third turn.
+    Returns the sink, the loop and each request's cached tokens."""
+    engine = LlamaCppEngine(api.get_model("smollm2:135m"), LoadOptions(n_ctx=2048, n_parallel=1))
+    try:
+        rec = Record()
+        loop = EngineLoop(engine, rec, cache_ram=cache_ram)
+        loop.min_save = 64
+
+        def run(rid: str, request: Request) -> None:
+            loop.submit(rid, request, GREEDY)
+            run_until(loop, lambda: not loop.busy)
+
+        run("a1", _turn(_doc("France"), []))
+        run("b1", _turn("Name a large animal.", [], "You are a zoologist. " * 80))
+        history = [{"role": "user", "content": _doc("France")}, {"role": "assistant", "content": rec.texts("a1")}]
+        run("a2", _turn(_doc("Italy"), history))
+        run("branch", _turn(_doc("Spain"), []))  # A's first turn asked otherwise
+        history += [{"role": "user", "content": _doc("Italy")}, {"role": "assistant", "content": rec.texts("a2")}]
+        run("a3", _turn(_doc("Germany"), history))
+        cached = {rid: rec.final(rid).cached_tokens for rid in ("a1", "b1", "a2", "branch", "a3")}
+        return rec, loop, cached
+    finally:
+        engine.close()
+
+
+def test_an_evicted_conversation_and_a_branch_come_back_from_host_memory() -> None:
+    """With one slot, B takes A's KV cache and a branch of A cuts it back; A's prefix, kept in
+    host memory, is restored for its next turns, which then evaluate only their new tokens and
+    answer exactly as without the host cache (where they evaluate again all but what B or the
+    branch left in the slot)."""
+    rec, loop, cached = _conversation(cache_ram=256)
+    bare_rec, bare, bare_cached = _conversation(cache_ram=0)
+    a1, a2 = rec.final("a1"), rec.final("a2")
+    # B shares only the template's first tokens with A, the branch A's system prompt
+    assert bare_cached["a2"] < 10 and bare_cached["a3"] <= bare_cached["branch"] + 8
+    # with host memory, A's earlier turns and replies come back (all but the last reply token, never evaluated)
+    assert cached["a2"] >= a1.prompt_tokens + a1.completion_tokens - 2
+    assert cached["a3"] >= a2.prompt_tokens + a2.completion_tokens - 2
+    assert loop.host.restored == 2 and loop.host.saved >= 2 and bare.host.saved == 0
+    assert loop.prompt_tokens <= bare.prompt_tokens - a1.prompt_tokens
+    for rid in ("a1", "b1", "a2", "branch", "a3"):
+        assert rec.texts(rid) == bare_rec.texts(rid)  # restored caches change nothing in the answers
+
+
 def test_full_queue_and_overlong_prompt_are_errors_of_their_request(engine: LlamaCppEngine) -> None:
     rec = Record()
     loop = EngineLoop(engine, rec, max_queue=1)

@@ -121,6 +121,7 @@ class Engine(Protocol):
     n_vocab: int  # tokens in the vocabulary (a logit bias may name any of them)
     n_slots: int
     can_copy: bool  # whether start() can copy a prefix from another slot's KV cache
+    can_save: bool  # whether save() and restore() move a slot's sequence state to host memory and back
     # How the model writes its thought apart from its answer (from its chat template and vocabulary,
     # detected once at load), or None for a model that does not think
     reasoning: ReasoningFormat | None
@@ -139,6 +140,16 @@ class Engine(Protocol):
 
     def prefill(self, slot: int, tokens: list[int], start: int) -> None:
         """Evaluate tokens[start:] into slot's KV cache without sampling (a shared prefix)."""
+        ...
+
+    def save(self, slot: int) -> tuple[Any, int] | None:
+        """A copy of the slot's sequence state in host memory and its size in bytes (can_save),
+        or None when it cannot be copied."""
+        ...
+
+    def restore(self, slot: int, state: Any) -> bool:
+        """Put a saved sequence state into slot (replacing what it held); False if it failed, and
+        the slot is then empty."""
         ...
 
     def set_lora(self, lora: tuple[tuple[str, float], ...]) -> None:

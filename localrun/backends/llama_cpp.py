@@ -122,6 +122,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
 
     abilities = ABILITIES
     can_copy = True
+    can_save = True  # not for a recurrent state, which cannot be cut back to a prefix (set at load)
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         ll = library()
@@ -184,6 +185,7 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
         # that mix it with attention) holds no positions to cut, so such a model decodes without drafts.
         self.no_drafts: str | None = None
         if ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model):
+            self.can_save = False
             self.no_drafts = ("speculative decoding is off for this model: its recurrent state cannot be cut "
                               "back to drop rejected drafts")
         if options.draft and self.no_drafts is None:
@@ -271,6 +273,24 @@ class LlamaCppEngine(LlamaContext, LlamaTokens, LlamaSampling, LlamaAdapters, Ll
                 q.control.off = True
             q.room = params.budget(self.n_ctx, len(tokens))
         return keep
+
+    def save(self, slot: int) -> tuple[Any, int] | None:
+        ll = self.ll
+        size = ll.llama_state_seq_get_size(self.ctx, slot)
+        if not size:
+            return None
+        state = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data(self.ctx, state, size, slot) != size:
+            return None
+        return state, size
+
+    def restore(self, slot: int, state: Any) -> bool:
+        ok = bool(self.ll.llama_state_seq_set_data(self.ctx, state, len(state), slot))
+        if not ok:
+            self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        if self.drafter is not None:
+            self.drafter.forget(slot)  # its stream catches up from the tokens at the next draft
+        return ok
 
     def prompt_cells(self, tokens: list[int]) -> int:
         """KV cells a prompt fills: an image counts its embeddings, not its positions."""

@@ -101,6 +101,11 @@ class DraftModel:
         self.ll.llama_memory_seq_cp(self.mem, source, slot, -1, -1)
         self.held[slot] = list(self.held[source])
 
+    def forget(self, slot: int) -> None:
+        """Empty the slot's stream (the target's was replaced from host memory)."""
+        self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        self.held[slot] = []
+
     def draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """Greedy drafts for several sequences at once: slot -> (its tokens so far, the last of which
         the target evaluates this step; how many tokens to draft at most) -> slot -> drafted tokens."""

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from localrun.backends.base import Cancel, Engine, Sampled, engines_with
+from localrun.backends.host_cache import HostCache, common_prefix, default_bytes
 from localrun.chat import StopMatcher
 from localrun.errors import (
     ContextOverflowError,
@@ -52,13 +53,7 @@ class Sink(Protocol):
         ...
 
 
-def _lcp(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of a and b, at most limit."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+_lcp = common_prefix
 
 
 class _Job:
@@ -101,7 +96,8 @@ class _Job:
 class EngineLoop:
     """Schedules requests over an engine's sequence slots; call step() while busy."""
 
-    def __init__(self, engine: Engine, sink: Sink, max_queue: int = 0) -> None:
+    def __init__(self, engine: Engine, sink: Sink, max_queue: int = 0, cache_ram: int | None = None) -> None:
+        """cache_ram: MiB of host memory for evicted prefixes (HostCache; None: the default, 0: none)."""
         self.engine = engine
         self.sink = sink
         self.max_queue = max_queue  # 0: unbounded
@@ -116,6 +112,11 @@ class EngineLoop:
         self.completion_tokens = 0
         # Copying a KV stream copies all of its cells: worth it only when it saves real work.
         self.min_copy_gain = max(4, engine.n_ctx // 256)
+        # A slot's cache that a new request would throw away goes to host memory when at least this
+        # many tokens of it would be lost (copying the state out costs less than evaluating them).
+        self.min_save = 256
+        limit = (default_bytes() if cache_ram is None else cache_ram << 20) if getattr(engine, "can_save", False) else 0
+        self.host = HostCache(limit)
 
     @property
     def busy(self) -> bool:
@@ -203,6 +204,7 @@ class EngineLoop:
             self._drop(job)
             self.sink.error(job.rid, error)
         self.cached = [[] for _ in self.slots]
+        self.host.clear()
 
     # -- scheduling -------------------------------------------------------------------------
     def step(self) -> None:
@@ -300,6 +302,8 @@ class EngineLoop:
             wave.append((slot, job))
         taken = {slot for slot, _ in wave}
         sources = [(s, c) for s, c in self._sources(lora) if s not in taken]  # a wave member's cache may be trimmed
+        for slot, job in wave:
+            self._restore(slot, job, sources, lora)
         plan = {slot: self._best(job.tokens, slot, sources, lora) for slot, job in wave}
         if len(wave) > 1 and self.engine.can_copy:
             # The prefix these new requests share beyond what the caches hold: evaluate it once, then copy.
@@ -309,6 +313,7 @@ class EngineLoop:
                 shared = _lcp(lead.tokens, j.tokens, shared)
             if shared >= max(n for _, n in plan.values()) + self.min_copy_gain:
                 own = _lcp(self._cache(lead_slot, lora), lead.tokens, shared)
+                self._save(lead_slot, own)
                 self.engine.prefill(lead_slot, lead.tokens[:shared], own)
                 self.prompt_tokens += shared - own
                 self.cached[lead_slot] = lead.tokens[:shared]
@@ -320,6 +325,7 @@ class EngineLoop:
             src, keep = plan[slot]
             job.t0 = now
             job.detok = self.engine.detokenizer(job.params.special)
+            self._save(slot, keep if src == slot else 0)
             try:
                 job.reused = self.engine.start(slot, job.tokens, job.params, job.seed, src, keep)
             except LocalrunError as e:  # this request's own fault (its grammar): the others go on
@@ -335,6 +341,35 @@ class EngineLoop:
             self.cached[slot] = []
             self.slots[slot] = job
             self._budget(job)
+
+    def _save(self, slot: int, keep: int) -> None:
+        """Before the slot's cache is cut back to keep tokens: keep it in host memory if that loses
+        enough of it, and no other slot or host entry holds it."""
+        held = self.cached[slot]
+        if len(held) - keep < self.min_save or not self.host.limit:
+            return
+        lora = self.cached_lora[slot]
+        if self.host.covers(held, lora) or any(
+                s != slot and len(c) >= len(held) and c[:len(held)] == held for s, c in self._sources(lora)):
+            return
+        saved = self.engine.save(slot)
+        if saved is not None and self.host.fits(saved[1]):
+            self.host.put(held, lora, saved[0], saved[1])
+
+    def _restore(self, slot: int, job: _Job, sources: list[tuple[int, list[int]]], lora: Any) -> None:
+        """Put a saved prefix into the job's slot when host memory holds more of its prompt than
+        any slot does."""
+        if not self.host.entries:
+            return
+        entry, n = self.host.find(job.tokens, lora, len(job.tokens) - 1)
+        if entry is None or n < self._best(job.tokens, slot, sources, lora)[1] + max(self.min_copy_gain, 16):
+            return
+        self._save(slot, 0)
+        if self.engine.restore(slot, entry.state):
+            self.host.touch(entry)
+            self.cached[slot], self.cached_lora[slot] = list(entry.tokens), lora
+        else:
+            self.cached[slot] = []
 
     # -- tokens -> text -------------------------------------------------------------------
     def _token(self, s: Sampled) -> None:

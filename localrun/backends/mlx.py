@@ -152,6 +152,13 @@ class MLXEngine(MLXText, MLXDrafting):
 
     abilities = ABILITIES
     can_copy = False
+    can_save = False  # an mlx-lm cache is updated in place: keeping one would mean copying every array
+
+    def save(self, slot: int) -> tuple[Any, int] | None:
+        return None
+
+    def restore(self, slot: int, state: Any) -> bool:
+        return False
 
     def __init__(self, model: ModelInfo, options: LoadOptions) -> None:
         self.mx, mlx_lm = _import()

@@ -91,7 +91,7 @@ def serve() -> None:
 
                     options = LoadOptions(**msg["options"])
                     engine = get_backend(msg["backend"]).load(ModelInfo(**msg["model"]), options)
-                    loop = EngineLoop(engine, sink, options.max_queue)
+                    loop = EngineLoop(engine, sink, options.max_queue, options.cache_ram)
                     chan.send({"i": rid, "ok": engine.info()})
                 elif op == "close":
                     running = False

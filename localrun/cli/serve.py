@@ -55,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences each model decodes at once (default 4; each has the full --ctx)")
     m.add_argument("--max-queue", type=int_in(0), default=64, metavar="N",
                    help="requests that may wait per model beyond --parallel; more get 503 (default 64)")
+    m.add_argument("--cache-ram", type=int_in(0), default=None, metavar="MiB",
+                   help="host memory that keeps prompt prefixes evicted from each model's KV cache, restored when "
+                        "a prompt starts with one again: a conversation another one displaced, a branch "
+                        "(llama.cpp engine; default 4096, at most an eighth of the memory; 0: off)")
     m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
     m.add_argument("--alias", action="append", default=[], metavar="PATTERN=MODEL",
                    help="serve MODEL for requested names that match PATTERN (* and ? wildcards): the model tiers "
@@ -136,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise UsageError(f"invalid value for --max-queue: {args.max_queue}", "expected an integer >= 0 (0: unbounded)")
     options = dataclasses.replace(load_options_from_args(args, n_parallel=args.parallel), max_queue=args.max_queue,
-                                  draft_optional=True)
+                                  cache_ram=args.cache_ram, draft_optional=True)
     key = args.api_key or os.environ.get("LOCALRUN_API_KEY") or None
     origins = tuple(o for value in args.origins for o in value.split(",") if o.strip())
     sock = bind(args.host, args.port)
