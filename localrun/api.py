@@ -314,14 +314,15 @@ def load(model: str | ModelInfo, options: LoadOptions | None = None, engine: str
     return WorkerSession(choose_engine(info, engine), info, options or LoadOptions(), event_loop)
 
 
-def model_pool(options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
+def model_pool(options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 0,
                keep_alive: float = 300.0, on_load: Callable[[ModelInfo, Session], None] | None = None) -> Pool:
     """A pool of loaded models for a front end that serves many requests (the TUI, the server).
 
     Args:
         options: how each model is loaded (n_parallel sequences, max_queue waiting requests, ...).
         engine: force an engine (a name from backends.base.backend_names()).
-        max_loaded: models loaded at once; loading another unloads the one idle longest.
+        max_loaded: models loaded at once at most (0: as many as the memory holds); loading
+            another unloads the ones idle longest, or waits for those in use.
         keep_alive: default seconds a model stays loaded after its last use (negative: forever).
         on_load: called with (model, session) after each load that succeeds (what the engine says
             of the model is in session.info(), e.g. its "warning").

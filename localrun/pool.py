@@ -2,8 +2,11 @@
 
 Used by the TUI and the server alike. Keep-alive follows Ollama's rule: a model stays loaded for
 `keep_alive` seconds after its last use ends (negative or infinite: forever; 0: unload as soon as
-nobody uses it). At most `max_loaded` models are loaded at once; to load another, the one idle
-longest is unloaded, and a model that would not fit in the available memory is refused.
+nobody uses it). Models stay loaded side by side while the memory holds them all (their weights,
+KV caches and compute buffers, as fit.model_memory estimates them), and at most `max_loaded` of
+them when it is set; to load another, the ones idle longest are unloaded until it fits. When the
+models that would have to go are in use, the new one waits for them to finish (a request never
+fails because another model is loaded); a model that would not fit even alone is refused.
 
 A loaded instance is a model under its load options: a use whose options differ (a KV-cache type,
 a context larger than any loaded instance has) gets an instance of its own, beside the others when
@@ -23,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends.base import Session
-from localrun.errors import EngineError, ServerBusyError
+from localrun.errors import EngineError
 from localrun.settings import LoadOptions
 from localrun.store import ModelInfo
 
@@ -66,14 +69,14 @@ class Pool:
     """The models loaded by one front end (the TUI, the server); thread-safe."""
 
     def __init__(self, loader: Callable[..., Session], resolve: Callable[[str], ModelInfo],
-                 options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 1,
+                 options: LoadOptions | None = None, engine: str | None = None, *, max_loaded: int = 0,
                  keep_alive: float = DEFAULT_KEEP_ALIVE,
                  on_load: Callable[[ModelInfo, Session], None] | None = None) -> None:
         """loader(model, options, engine=, event_loop=) loads a session (api.load); resolve(name)
         finds a model (api.get_model); on_load(model, session) is told of each load that succeeds."""
         self.options = options or LoadOptions()
         self.engine = engine
-        self.max_loaded = max(1, max_loaded)
+        self.max_loaded = max(0, max_loaded)  # 0: as many as the memory holds
         self.keep_alive = keep_alive
         self.event_loop: asyncio.AbstractEventLoop | None = None  # a server's: its sessions are read on that loop
         self._loader = loader
@@ -83,6 +86,7 @@ class Pool:
         self._entries: dict[tuple[str, LoadOptions], _Entry] = {}  # (model name, load options) -> instance
         self._defaults: dict[tuple[str, LoadOptions], int] = {}  # the default context of (name, settings)
         self._closed = False
+        self.waiting = 0  # uses waiting for models in use to finish, so that theirs fits
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="pool-reaper")
         self._reaper.start()
 
@@ -102,7 +106,7 @@ class Pool:
 
         Raises:
             ModelNotFoundError, BadModelFileError, BackendUnavailableError, EngineError (load
-            failed or not enough memory), ServerBusyError (every loaded model is in use).
+            failed or not enough memory even alone).
         """
         info = model if isinstance(model, ModelInfo) else self._resolve(model)
         entry = self._acquire(info, options or self.options)
@@ -137,7 +141,13 @@ class Pool:
                 if entry is None:
                     # Never less than the default context, so that the instance serves the uses that ask for none
                     load = replace(options, n_ctx=max(need, default or 0)) if need else options
-                    self._make_room(info, load)
+                    if not self._make_room(info, load):
+                        self.waiting += 1  # models in use must finish first: a release wakes this
+                        try:
+                            self._lock.wait()
+                        finally:
+                            self.waiting -= 1
+                        continue
                     entry = _Entry(info, load)
                     entry.users = 1
                     self._entries[info.name, load] = entry
@@ -225,34 +235,39 @@ class Pool:
                 self._close_later(entry)
             self._lock.notify_all()
 
-    def _make_room(self, info: ModelInfo, options: LoadOptions) -> None:
-        """Unload idle models until one more fits (count and memory); called with the lock held."""
+    def _make_room(self, info: ModelInfo, options: LoadOptions) -> bool:
+        """Unload idle models until one more fits (count and memory); False when it fits only once
+        models in use are released. Called with the lock held.
+
+        Raises:
+            EngineError: the model does not fit even with every other model unloaded.
+        """
         from localrun.system import ram_bytes
 
         def idle() -> list[_Entry]:
             return sorted((e for e in self._entries.values() if e.users == 0 and e.ready.is_set()),
                           key=lambda e: e.last_used)
 
-        while len(self._entries) >= self.max_loaded:
-            victims = idle()
-            if not victims:
-                raise ServerBusyError(f"cannot load '{info.name}': {len(self._entries)} model(s) are loaded and in use",
-                                      "retry when a request ends, or start the server with a larger --max-loaded")
-            self._evict(victims[0])
         need = _memory(info, options.n_ctx, options)
         available = ram_bytes()[1]
-        if available is None:
-            return
-        for victim in idle():
-            if need <= available:
-                break
-            self._evict(victim)
-            available += _memory(victim.model, victim.context, victim.options)
-        if need > available:
-            raise EngineError(
-                f"not enough memory to load '{info.name}': it needs about {need / 1e9:.1f} GB, "
-                f"{available / 1e9:.1f} GB is available",
-                "unload other models, close other programs, or use a smaller quantization")
+        if available is not None:
+            held = {id(e): _memory(e.model, e.context, e.options) for e in self._entries.values()}
+            # A loaded model's weights are mapped from its file: the page cache counts them as available
+            available -= sum(e.model.size for e in self._entries.values() if e.model.format == "gguf")
+            if need > available + sum(held.values()):
+                raise EngineError(
+                    f"not enough memory to load '{info.name}': it needs about {need / 1e9:.1f} GB, "
+                    f"{max(0, available + sum(held.values())) / 1e9:.1f} GB is available with every other model unloaded",
+                    "close other programs, use a smaller quantization or a smaller --ctx")
+        while (self.max_loaded and len(self._entries) >= self.max_loaded) or (
+                available is not None and need > available):
+            victims = idle()
+            if not victims:
+                return False
+            self._evict(victims[0])
+            if available is not None:
+                available += held[id(victims[0])]
+        return True
 
     def _evict(self, entry: _Entry) -> None:
         self._drop(entry)

@@ -24,6 +24,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434  # Ollama's, so its clients work with no configuration
 
 
+def _max_loaded(value: str) -> int:
+    return 0 if value == "auto" else int_in(1)(value)
+
+
 def _duration(value: str) -> float:
     from localrun.errors import UsageError
     from localrun.server import parse_duration
@@ -59,7 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="host memory that keeps prompt prefixes evicted from each model's KV cache, restored when "
                         "a prompt starts with one again: a conversation another one displaced, a branch "
                         "(llama.cpp engine; default 4096, at most an eighth of the memory; 0: off)")
-    m.add_argument("--max-loaded", type=int_in(1), default=1, metavar="N", help="models loaded at once (default 1)")
+    m.add_argument("--max-loaded", type=_max_loaded, default=0, metavar="N|auto",
+                   help="models loaded at once (default auto: as many as the memory holds with their KV caches; "
+                        "a model that does not fit beside the others waits for them to go idle, then replaces "
+                        "the ones idle longest)")
     m.add_argument("--alias", action="append", default=[], metavar="PATTERN=MODEL",
                    help="serve MODEL for requested names that match PATTERN (* and ? wildcards): the model tiers "
                         "an agent asks for, e.g. --alias 'claude-haiku-*=qwen3:4b' --alias 'claude-*=qwen3:30b' "
