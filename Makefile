@@ -13,6 +13,7 @@ TORCH := torch==2.13.0
 AGENTS ?= .agents
 CODEX := @openai/codex@0.171.0
 CLAUDE := @anthropic-ai/claude-code@2.1.197
+OPENCODE := opencode-ai@1.18.33
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup dev run test lint bench clean test-tools agents
@@ -46,14 +47,14 @@ test-tools:
 # The real Codex CLI and Claude Code, which the server's agent tests run against it.
 agents:
 	@command -v npm >/dev/null || { echo "install Node.js 20 (npm) for the coding-agent tests" >&2; exit 1; }
-	npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error $(CODEX) $(CLAUDE)
+	npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error $(CODEX) $(CLAUDE) $(OPENCODE)
 
 # Also rewrites README.md's Reliability table from the run's counts when every test passed
 # (tests/reliability.py); the counts are fixed by the tests, so a rerun leaves it as it was.
 test: dev lint test-tools agents
 	LOCALRUN_TEST_STRICT=1 LOCALRUN_RELIABILITY_README=1 $(BIN)/python -m pytest -q -p no:cacheprovider -rs
 
-bench: dev
+bench: dev agents
 	$(PIP) install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/run_all.py
 

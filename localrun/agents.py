@@ -38,6 +38,7 @@ class Agent:
 AGENTS = {
     "codex": Agent("codex", "codex", "@openai/codex", 9100),
     "claude": Agent("claude", "claude", "@anthropic-ai/claude-code", 12700),
+    "opencode": Agent("opencode", "opencode", "opencode-ai", 7600),
 }
 
 
@@ -158,3 +159,22 @@ def claude_env(url: str, model: str, small: str | None = None, api_key: str | No
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "API_TIMEOUT_MS": "3000000",
     }
+
+
+# -- OpenCode --------------------------------------------------------------------------------------
+
+
+def opencode_config(url: str, model: str, context: int, small: str | None = None,
+                    api_key_env: str | None = None) -> dict[str, Any]:
+    """OpenCode's configuration for a localrun server: a `localrun` provider (OpenAI-compatible, at
+    the server's /v1) with the model's real context, the model for its work and for its titles
+    (`small`, default the model). Given in OPENCODE_CONFIG_CONTENT, it goes over the user's own."""
+    output = min(8192, max(256, context // 4))  # what OpenCode reserves for a reply
+    models = {name: {"name": name, "limit": {"context": context, "output": output}, "tool_call": True}
+              for name in dict.fromkeys([model, small or model])}
+    options: dict[str, Any] = {"baseURL": f"{url.rstrip('/')}/v1"}
+    options["apiKey"] = f"{{env:{api_key_env}}}" if api_key_env else "localrun"
+    return {"$schema": "https://opencode.ai/config.json",
+            "provider": {"localrun": {"npm": "@ai-sdk/openai-compatible", "name": "localrun", "options": options,
+                                      "models": models}},
+            "model": f"localrun/{model}", "small_model": f"localrun/{small or model}"}

@@ -219,6 +219,26 @@ def test_an_evicted_conversation_and_a_branch_come_back_from_host_memory() -> No
         assert rec.texts(rid) == bare_rec.texts(rid)  # restored caches change nothing in the answers
 
 
+def test_a_request_arriving_during_a_shared_prompt_copies_it_instead_of_evaluating_it(engine: LlamaCppEngine) -> None:
+    """Sub-agents sent at once: B arrives while A's prompt, which starts as B's does, is being
+    evaluated (in chunks of 16 tokens here). B waits for it and copies the shared part, so the
+    shared system prompt is evaluated once (beside each other, each evaluates it)."""
+    a, b = _turn("Find the callers of parse_record.", []), _turn("List the tests of parser.py.", [])
+    rec = Record()
+    loop = EngineLoop(engine, rec, cache_ram=0)
+    loop.min_save = 64
+    loop.submit("a", a, GREEDY)
+    loop.step()
+    assert loop.running() == 1 and not loop.slots[next(s for s, j in enumerate(loop.slots) if j)].sampled
+    loop.submit("b", b, GREEDY)
+    run_until(loop, lambda: not loop.busy)
+    fa, fb = rec.final("a"), rec.final("b")
+    shared = next(i for i, (x, y) in enumerate(zip(engine.prompt_tokens(a, []), engine.prompt_tokens(b, []))) if x != y)
+    assert shared > 300 and fb.cached_tokens >= shared - 1
+    assert loop.prompt_tokens <= fa.prompt_tokens + fb.prompt_tokens - shared + 1
+    assert fa.finish_reason in ("stop", "length") and fb.finish_reason in ("stop", "length") and rec.texts("b")
+
+
 def test_full_queue_and_overlong_prompt_are_errors_of_their_request(engine: LlamaCppEngine) -> None:
     rec = Record()
     loop = EngineLoop(engine, rec, max_queue=1)

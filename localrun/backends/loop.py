@@ -293,6 +293,7 @@ class EngineLoop:
                     self._drop(job)
                     self.sink.error(job.rid, e)
                 return
+        group = [j for j in group if not self._behind(j, lora)]
         for job in group[:len(free)]:
             self.queue.remove(job)
             slot = self._slot_for(job, free, lora)
@@ -341,6 +342,20 @@ class EngineLoop:
             self.cached[slot] = []
             self.slots[slot] = job
             self._budget(job)
+
+    def _behind(self, job: _Job, lora: Any) -> bool:
+        """Whether the job waits for a running request whose prompt, still being evaluated, starts
+        as its own does (sub-agents sent at once with one system prompt and tools): once that
+        prompt is evaluated the job copies the shared prefix instead of evaluating it beside it."""
+        if not self.engine.can_copy:
+            return False
+        limit = len(job.tokens) - 1
+        ahead = max((_lcp(j.tokens, job.tokens, limit) for j in self.slots
+                     if j is not None and not j.sampled and j.lora == lora), default=0)
+        if ahead < self.min_save:
+            return False
+        held = max((_lcp(c, job.tokens, limit) for _, c in self._sources(lora)), default=0)
+        return ahead >= max(held, self.host.find(job.tokens, lora, limit)[1]) + self.min_save
 
     def _save(self, slot: int, keep: int) -> None:
         """Before the slot's cache is cut back to keep tokens: keep it in host memory if that loses

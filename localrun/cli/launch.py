@@ -1,8 +1,9 @@
-"""`localrun launch AGENT [MODEL]`: a coding agent (Codex, Claude Code) on a local model."""
+"""`localrun launch AGENT [MODEL]`: a coding agent (Codex, Claude Code, OpenCode) on a local model."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -13,9 +14,9 @@ from localrun.cli.serve import DEFAULT_HOST, DEFAULT_PORT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="run a coding agent (codex, claude) on a local model",
+    p = sub.add_parser("launch", help="run a coding agent (codex, claude, opencode) on a local model",
                        description=cmd_launch.__doc__)
-    p.add_argument("agent", choices=("codex", "claude"), help="the agent to run")
+    p.add_argument("agent", choices=("codex", "claude", "opencode"), help="the agent to run")
     p.add_argument("model", help="the model it works with (see 'localrun list')")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"the server's address (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -24,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="context of the server it starts (default: enough for the agent's prompts, within the "
                         "model's and memory's limits)")
     p.add_argument("--small", metavar="MODEL",
-                   help="claude: the model for the small tier (titles, summaries; the haiku models), default MODEL")
+                   help="claude, opencode: the model for small requests (titles, summaries; Claude's haiku tier), "
+                        "default MODEL")
     p.add_argument("--config", action="store_true",
                    help="print the agent's configuration for this model and server instead of running it")
     p.set_defaults(func=cmd_launch, takes_rest=True)
@@ -35,7 +37,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """Run a coding agent on a local model: use the localrun server on --host/--port, or start one
     with a context large enough for the agent's prompts (and stop it after), point the agent at
     it (Codex: a provider and a model catalog entry with the model's real context, passed with
-    -c so your own config.toml is left alone) and run the agent with the arguments after --.
+    -c so your own config.toml is left alone; Claude Code: its environment; OpenCode: a provider in
+    OPENCODE_CONFIG_CONTENT, over your own configuration) and run the agent with the arguments
+    after --.
     --config prints the configuration instead, for users who keep their own."""
     from localrun import agents, api
     from localrun.settings import LoadOptions
@@ -60,6 +64,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         agent_args, text = agents.codex_setup(binary, url, name, ctx, "thinking" in caps, "vision" in caps,
                                               home() / "agents", key_env)
         env = dict(os.environ)
+    elif agent.name == "opencode":
+        small = api.resolve_target(args.small).name if args.small else None
+        config = agents.opencode_config(url, name, ctx, small, key_env)
+        text = json.dumps(config, indent=2) + "\n"
+        env = {**os.environ, "OPENCODE_CONFIG_CONTENT": json.dumps(config)}
+        agent_args = []
     else:
         small = api.resolve_target(args.small).name if args.small else None
         env = {**os.environ, **agents.claude_env(url, name, small, os.environ.get("LOCALRUN_API_KEY"))}
@@ -70,7 +80,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     rest = list(getattr(args, "rest", []))
-    server = None if _running(url) else _start_server(args.host, args.port, ctx)
+    # Claude Code and OpenCode run title requests (and sub-agents) beside their turns: two sequences
+    # (fewer if memory holds one only), so those neither wait for the turn nor take its KV cache
+    parallel = 1 if agent.name == "codex" else 2
+    server = None if _running(url) else _start_server(args.host, args.port, ctx, parallel)
     try:
         return subprocess.call([binary, *agent_args, *rest], env=env)
     finally:
@@ -89,7 +102,7 @@ def _running(url: str) -> bool:
         return False
 
 
-def _start_server(host: str, port: int, ctx: int) -> Any:
+def _start_server(host: str, port: int, ctx: int, parallel: int) -> Any:
     """`localrun serve` in the background, its log in the data folder, once it answers."""
     import time
 
@@ -98,10 +111,11 @@ def _start_server(host: str, port: int, ctx: int) -> Any:
 
     log = home() / "logs" / "launch-serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"localrun: starting a server on {host}:{port} with a {ctx}-token context (log: {log})", file=sys.stderr)
+    what = f"a {ctx}-token context" + (f" for each of {parallel} sequences" if parallel > 1 else "")
+    print(f"localrun: starting a server on {host}:{port} with {what} (log: {log})", file=sys.stderr)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve", "--host", host, "--port", str(port),
-                                 "--ctx", str(ctx), "--parallel", "1"], stdout=out, stderr=out)
+                                 "--ctx", str(ctx), "--parallel", str(parallel)], stdout=out, stderr=out)
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:

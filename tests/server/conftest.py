@@ -82,6 +82,22 @@ class Served:
         return httpx.Client(base_url=self.url, timeout=300, **kw)
 
 
+def sse(served: Served, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """A streamed request's events (Server-Sent Events whose `event:` names the data's type)."""
+    import json
+
+    with served.http().stream("POST", path, json={**body, "stream": True}, headers=headers) as res:
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in res.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == kind
+                yield data
+
+
 @contextmanager
 def serve(options: LoadOptions | None = None, *, keep_alive: float = 300.0, max_loaded: int = 1,
           **config: Any) -> Iterator[Served]:

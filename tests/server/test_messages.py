@@ -20,7 +20,7 @@ from localrun import api
 from localrun.settings import LoadOptions
 from tests.thinking_models import R1_TEMPLATE, TEMPLATE
 
-from .conftest import MODEL, Served, serve
+from .conftest import MODEL, Served, serve, sse
 
 ASK = [{"role": "user", "content": "What is the opposite of hot?"}]
 GREEDY = {"temperature": 0}
@@ -43,20 +43,9 @@ def _stream(served: Served, body: dict[str, Any]) -> list[Any]:
     from anthropic.types import RawMessageStreamEvent
 
     adapter: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
-    out = []
-    with served.http().stream("POST", "/v1/messages?beta=true", json={**body, "stream": True},
-                              headers={"anthropic-version": "2023-06-01"}) as res:
-        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
-        kind = None
-        for line in res.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == kind
-                if kind != "ping":
-                    out.append(adapter.validate_python(data))
-    return out
+    return [adapter.validate_python(data) for data in sse(served, "/v1/messages?beta=true", body,
+                                                          {"anthropic-version": "2023-06-01"})
+            if data["type"] != "ping"]
 
 
 def _total(usage: Any) -> int:

@@ -22,7 +22,7 @@ from tests.agents import apply_patch
 from tests.thinking_models import R1_TEMPLATE, TEMPLATE
 
 from .codex_capture import codex_request
-from .conftest import MODEL, Served, serve
+from .conftest import MODEL, Served, serve, sse
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -42,23 +42,15 @@ def _events(served: Served, body: dict[str, Any]) -> list[Any]:
 
     adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
     out = []
-    with served.http().stream("POST", "/v1/responses", json={**body, "stream": True}) as res:
-        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
-        kind = None
-        for line in res.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == kind
-                error = (data.get("response") or {}).get("error") or {}
-                if error.get("code") == "context_length_exceeded":
-                    # What OpenAI sends and Codex acts on, which the package's list of codes omits
-                    data = {**data, "response": {**data["response"], "error": {**error, "code": "server_error"}}}
-                    out.append(adapter.validate_python(data))
-                    out[-1].response.error.code = "context_length_exceeded"
-                else:
-                    out.append(adapter.validate_python(data))
+    for data in sse(served, "/v1/responses", body):
+        error = (data.get("response") or {}).get("error") or {}
+        if error.get("code") == "context_length_exceeded":
+            # What OpenAI sends and Codex acts on, which the package's list of codes omits
+            data = {**data, "response": {**data["response"], "error": {**error, "code": "server_error"}}}
+            out.append(adapter.validate_python(data))
+            out[-1].response.error.code = "context_length_exceeded"
+        else:
+            out.append(adapter.validate_python(data))
     return out
 
 
