@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from localrun import api
+from localrun.backends.host_cache import common_prefix
 from localrun.backends.llama_cpp import LlamaCppEngine
 from localrun.backends.loop import EngineLoop
 from localrun.errors import ContextOverflowError, LocalrunError, ServerBusyError
@@ -233,7 +234,7 @@ def test_a_request_arriving_during_a_shared_prompt_copies_it_instead_of_evaluati
     loop.submit("b", b, GREEDY)
     run_until(loop, lambda: not loop.busy)
     fa, fb = rec.final("a"), rec.final("b")
-    shared = next(i for i, (x, y) in enumerate(zip(engine.prompt_tokens(a, []), engine.prompt_tokens(b, []))) if x != y)
+    shared = common_prefix(engine.prompt_tokens(a, []), engine.prompt_tokens(b, []), 1 << 20)
     assert shared > 300 and fb.cached_tokens >= shared - 1
     assert loop.prompt_tokens <= fa.prompt_tokens + fb.prompt_tokens - shared + 1
     assert fa.finish_reason in ("stop", "length") and fb.finish_reason in ("stop", "length") and rec.texts("b")
