@@ -93,9 +93,19 @@ def test_ollama_tools_give_object_arguments(served: Served) -> None:
 
 def test_bad_tools_are_400(served: Served) -> None:
     client = served.openai()
-    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+    # A keyword no grammar enforces is left to the tool to check (agents' tools carry them);
+    # a schema that is not one is refused, naming where.
+    unique = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}, "required": ["tags"]}
+    res = client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required", max_tokens=60,
+                                         temperature=0, tools=[{"type": "function", "function": {
+                                             "name": "f", "parameters": unique}}])
+    calls = res.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "f"
+    assert isinstance(json.loads(calls[0].function.arguments)["tags"], list)
+    with pytest.raises(openai.BadRequestError, match="properties"):
         client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="required", tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "uniqueItems": True}}}])
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}])
     with pytest.raises(openai.BadRequestError, match="nope"):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
