@@ -55,6 +55,7 @@ class Checkpoint:
             raise ConvertError(f"{folder} has no config.json", "pass a Hugging Face model folder")
         config = read_json(config_path)
         arch = arch_for(config)(config)  # fail on unknown architectures before reading weights
+        arch.read_folder(folder)
         tensors = load_checkpoint(folder)
         return cls(folder.resolve().name, config, arch, tensors, folder)
 
@@ -64,6 +65,7 @@ class Checkpoint:
     ) -> Checkpoint:
         """Wrap an in-memory model's config and state dict."""
         arch = arch_for(config)(config)
+        arch.read_folder(tokenizer_dir)
         tensors = tensors_from_state_dict(state)
         if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
             del tensors["lm_head.weight"]  # the same storage as the embeddings

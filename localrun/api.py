@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localrun.backends import selection
-from localrun.backends.base import Cancel, Session, abilities
+from localrun.backends.base import Cancel, Ranked, Session, abilities
 from localrun.errors import (
     BadModelFileError,
     ConversionError,
@@ -886,6 +886,23 @@ def benchmark(spec: BenchSpec, progress: BenchProgress | None = None) -> Iterato
     from localrun.workbench.bench import iter_bench_isolated
 
     return iter_bench_isolated(spec, progress)
+
+
+def rerank(model: str, query: str, documents: Sequence[str], options: LoadOptions | None = None) -> Ranked:
+    """A reranker's score of each document for the query, in the documents' order (the model's
+    raw output, as llama-server reports it: higher is more relevant). Runs in a child process.
+
+    Raises:
+        UsageError: a model that is not a reranker (its GGUF declares no rank pooling), no documents.
+        ModelNotFoundError, BadModelFileError, EngineError.
+    """
+    if not documents:
+        raise UsageError("no documents to rank", "give at least one document")
+    session = load(model, options or LoadOptions())
+    try:
+        return session.rerank(query, list(documents))
+    finally:
+        session.close()
 
 
 def evaluate(model: str, text: str | os.PathLike[str], reference: str | None = None, *, n_ctx: int = 512,

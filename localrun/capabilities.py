@@ -1,5 +1,5 @@
 """What a model can do through localrun, in the words Ollama's /api/show uses (`completion`,
-`tools`, `insert`, `embedding`, `thinking`, `vision`).
+`tools`, `insert`, `embedding`, `thinking`, `vision`), and `rerank` for a reranker.
 
 Each capability is one rule over the model's info and the abilities of the engine that runs it,
 listed in RULES; a new one (thinking formats, images) is one more rule there, and every front end
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from localrun.reasoning import ReasoningFormat
     from localrun.store import ModelInfo
 
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+
 # Encoder architectures: they embed and never generate.
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "jina-bert-v2", "jina-bert-v3", "t5encoder", "modern-bert", "neo-bert")
 
@@ -29,6 +31,16 @@ def embeds_only(model: ModelInfo) -> bool:
     arch = model.architecture or ""
     meta = model.details.get("metadata") or {}
     return arch in EMBEDDING_ARCHS or meta.get(f"{arch}.pooling_type") not in (None, 0)
+
+
+def reranks(model: ModelInfo) -> bool:
+    """A reranker: a GGUF whose pooling is rank (4), a classification head over (query, document)."""
+    arch = model.architecture or ""
+    meta = model.details.get("metadata") or {}
+    try:
+        return int(meta.get(f"{arch}.pooling_type") or 0) == RANK_POOLING
+    except (TypeError, ValueError):
+        return False
 
 
 def _completion(model: ModelInfo, abilities: Abilities | None) -> bool:
@@ -47,7 +59,11 @@ def _insert(model: ModelInfo, abilities: Abilities | None) -> bool:
 
 def _embedding(model: ModelInfo, abilities: Abilities | None) -> bool:
     # An engine with embeddings pools any model it runs (a generative one by the mean of its tokens).
-    return embeds_only(model) or bool(abilities and abilities.embeddings)
+    return not reranks(model) and (embeds_only(model) or bool(abilities and abilities.embeddings))
+
+
+def _rerank(model: ModelInfo, abilities: Abilities | None) -> bool:
+    return reranks(model) and (abilities is None or abilities.embeddings)
 
 
 def reasoning_format(model: ModelInfo) -> ReasoningFormat | None:
@@ -115,6 +131,7 @@ RULES: tuple[tuple[str, Callable[[ModelInfo, Abilities | None], bool]], ...] = (
     ("embedding", _embedding),
     ("thinking", _thinking),
     ("vision", _vision),
+    ("rerank", _rerank),
 )
 
 

@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import gguf
@@ -195,6 +196,10 @@ class Arch:
                 f"rope type {rope_type!r} is not supported for {self.name}",
                 "supported: default, linear, yarn, llama3, longrope",
             )
+
+    def read_folder(self, folder: Path) -> None:
+        """Read what the family needs from the model's folder besides config.json (a reranker's
+        tokens, from its tokenizer); called once, before any tensor is planned."""
 
     def projector_class(self) -> type[Projector] | None:
         """The projector this checkpoint's config calls for (a family with several towers picks)."""

@@ -55,6 +55,14 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
+class Ranked:
+    """A reranker's raw score of each document for one query, in the documents' order."""
+
+    scores: list[float]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class Sampled:
     """What one step produced for one sequence."""
 
@@ -207,8 +215,12 @@ class Engine(Protocol):
         """A fresh incremental detokenizer for one reply (special: control tokens as text too)."""
         ...
 
-    def embed(self, texts: list[str]) -> Embeddings:
-        """Embedding vectors for texts."""
+    def embed(self, texts: list[str | list[int]]) -> Embeddings:
+        """Embedding vectors for texts (or token id lists)."""
+        ...
+
+    def rerank(self, query: str, documents: list[str]) -> Ranked:
+        """A reranker's score of each document for the query."""
         ...
 
     def info(self) -> dict[str, Any]:
@@ -347,8 +359,12 @@ class Session(Protocol):
         """The prompt tokens of a request."""
         ...
 
-    def embed(self, texts: list[str]) -> Embeddings:
-        """Embedding vectors for texts."""
+    def embed(self, texts: list[str | list[int]]) -> Embeddings:
+        """Embedding vectors for texts (or token id lists)."""
+        ...
+
+    def rerank(self, query: str, documents: list[str]) -> Ranked:
+        """A reranker's score of each document for the query."""
         ...
 
     def info(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localrun.backends.base import Abilities, Embeddings, Sampled, token_logprob
+from localrun.backends.base import Abilities, Embeddings, Ranked, Sampled, token_logprob
 from localrun.backends.drafting import DraftControl, PromptLookup, StepCost, worth_drafting
 from localrun.backends.grammar import Grammars, GrammarState
 from localrun.backends.mlx_model import flat_rope, layers_prefix
@@ -465,9 +465,13 @@ class MLXEngine(MLXText, MLXDrafting):
         lp = np.array(logprobs.astype(self.mx.float32)).reshape(-1)
         return token_logprob(lp, token, top, self.piece)
 
-    def embed(self, texts: list[str]) -> Embeddings:
+    def embed(self, texts: list[str | list[int]]) -> Embeddings:
         raise UsageError(f"'{self.model_info.name}' runs on MLX, which has no embedding mode here",
                          "use a GGUF embedding model (it runs on llama.cpp)")
+
+    def rerank(self, query: str, documents: list[str]) -> Ranked:
+        raise UsageError(f"'{self.model_info.name}' runs on MLX, which has no reranking mode here",
+                         "use a reranker converted to GGUF (it runs on llama.cpp)")
 
     def close(self) -> None:
         if self.drafter is not None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-from localrun.backends.base import Cancel, Embeddings, RowResult, TokenCounts
+from localrun.backends.base import Cancel, Embeddings, Ranked, RowResult, TokenCounts
 from localrun.backends.channel import error_from_wire
 from localrun.backends.isolation import Child
 from localrun.errors import EngineCrashedError, EngineError, LocalrunError
@@ -212,9 +212,13 @@ class WorkerSession:
     def tokenize(self, request: Request) -> list[int]:
         return list(self._call("tokenize", request.to_dict()))
 
-    def embed(self, texts: list[str]) -> Embeddings:
+    def embed(self, texts: list[str | list[int]]) -> Embeddings:
         out = self._call("embed", list(texts))
         return Embeddings(out["vectors"], out["prompt_tokens"])
+
+    def rerank(self, query: str, documents: list[str]) -> Ranked:
+        out = self._call("rerank", query, list(documents))
+        return Ranked(out["scores"], out["prompt_tokens"])
 
     def start(self, request: Request, params: GenerationParams, deliver: Callable[[Chunk], None],
               stream: bool = True, report: bool = False) -> Ticket:

@@ -129,6 +129,9 @@ def _call(engine: Any, method: str, args: list[Any]) -> Any:
     if method == "embed":
         e = engine.embed(args[0])
         return {"vectors": e.vectors, "prompt_tokens": e.prompt_tokens}
+    if method == "rerank":
+        r = engine.rerank(args[0], args[1])
+        return {"scores": r.scores, "prompt_tokens": r.prompt_tokens}
     if method == "info":
         return engine.info()
     raise EngineError(f"unknown engine call {method!r}")

@@ -11,7 +11,7 @@ from localrun import __version__
 from localrun.errors import LocalrunError
 
 # Each module defines register(subparsers); handlers take the parsed args and return an exit code.
-COMMAND_MODULES = ("run", "models", "batch", "serve", "launch", "hub", "convert", "bench", "evaluate", "imatrix",
+COMMAND_MODULES = ("run", "models", "batch", "serve", "launch", "hub", "convert", "bench", "evaluate", "rerank", "imatrix",
                    "doctor", "tui")
 
 

@@ -20,7 +20,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localrun.errors import LocalrunError
-from localrun.server import errors, host_allowed, messages, ollama, openai, origin_regex, responses
+from localrun.server import (
+    errors,
+    host_allowed,
+    messages,
+    ollama,
+    openai,
+    origin_regex,
+    rerank,
+    responses,
+)
 from localrun.server.response_store import ResponseStore
 from localrun.server.streams import (  # noqa: F401 - ServerConfig and RequestRecord are this module's API too
     MAX_BODY,
@@ -296,4 +305,5 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(messages.router)
     app.include_router(ollama.router)
+    app.include_router(rerank.router)
     return app

@@ -235,8 +235,44 @@ class EmbeddingRequest(RequestBody):
     dimensions: Annotated[int | None, Field(ge=1)] = None
     user: str | None = None
 
-    def texts(self) -> list[str]:
-        return _texts(self.input, "input")
+    def texts(self) -> list[str | list[int]]:
+        """The inputs: texts, or token arrays (one list of ids, or a list of them) taken as they are."""
+        value = self.input
+        if isinstance(value, list) and value and all(isinstance(p, int) for p in value):
+            return [[int(p) for p in value if isinstance(p, int)]]
+        if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+            return [list(p) for p in value if isinstance(p, list)]
+        return list(_texts(value, "input"))
+
+
+class RerankDocument(RequestBody):
+    text: str
+
+
+class RerankRequest(RequestBody):
+    """/v1/rerank as Jina's, Cohere's and llama-server's clients send it (documents, top_n,
+    return_documents), or as Text Embeddings Inference does (texts, return_text)."""
+
+    model: str
+    query: str
+    documents: list[str | RerankDocument] | None = None
+    texts: list[str] | None = None
+    top_n: Annotated[int | None, Field(ge=0)] = None
+    return_documents: bool = False
+    return_text: bool = False
+    # Cohere's and TEI's options that change nothing for one local model
+    max_chunks_per_doc: int | None = None
+    raw_scores: bool = False
+    truncate: bool | None = None
+
+    def docs(self) -> list[str]:
+        if self.documents is not None and self.texts is not None:
+            raise UsageError("send documents or texts, not both")
+        docs = self.texts if self.texts is not None else self.documents
+        if not docs:
+            raise UsageError("documents must be a non-empty list of strings",
+                             'send {"query": "...", "documents": ["...", "..."]}')
+        return [d if isinstance(d, str) else d.text for d in docs]
 
 
 # -- Ollama ---------------------------------------------------------------------------------

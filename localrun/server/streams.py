@@ -12,7 +12,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -348,13 +348,13 @@ async def run_blocking(request: HttpRequest, fn: Callable[[], T], cancel: thread
     return await unless_disconnected(request, asyncio.to_thread(fn), cancel.set if cancel else (lambda: None))
 
 
-def embed(pool: Pool, model: ModelInfo, texts: list[str], keep_alive: float | None,
+def embed(pool: Pool, model: ModelInfo, texts: Sequence[str | list[int]], keep_alive: float | None,
           options: LoadOptions | None = None) -> tuple[Embeddings | None, float]:
     """The session's embeddings of `texts` (blocking) and the seconds spent loading the model."""
     t0 = time.perf_counter()
     with pool.use(model, keep_alive, options) as session:
         loaded = time.perf_counter() - t0
-        return (session.embed(texts) if texts else None), loaded
+        return (session.embed(list(texts)) if texts else None), loaded
 
 
 def fit_vector(vector: list[float], dimensions: int | None, normalize: bool = True) -> list[float]:

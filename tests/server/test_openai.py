@@ -136,6 +136,25 @@ def test_embeddings_float_and_base64(served: Served) -> None:
     assert len(short.data[0].embedding) == 64 and abs(_norm(short.data[0].embedding) - 1) < 1e-3
 
 
+def test_embeddings_take_token_arrays(served: Served, starter: Path) -> None:
+    from llama_cpp import Llama
+
+    ids = Llama(str(starter), vocab_only=True, verbose=False).tokenize(b"hello there", add_bos=True, special=False)
+    client = served.openai()
+    text = client.embeddings.create(model=MODEL, input="hello there", encoding_format="float")
+    one = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(text.data[0].embedding, abs=1e-6)
+    assert one.usage.prompt_tokens == len(ids) == text.usage.prompt_tokens
+    many = client.embeddings.create(model=MODEL, input=[ids, ids[:1]], encoding_format="float")
+    assert [d.index for d in many.data] == [0, 1]
+    assert many.data[0].embedding == pytest.approx(text.data[0].embedding, abs=1e-6)
+    assert many.data[1].embedding != pytest.approx(many.data[0].embedding, abs=1e-3)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.embeddings.create(model=MODEL, input=[ids[0], 10**7])
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.embeddings.create(model=MODEL, input=["hello", 12])  # type: ignore[list-item]
+
+
 def test_unknown_model_and_paths_are_not_found(served: Served, starter: Path) -> None:
     client = served.openai()
     # A name never becomes a path, even one of an existing model file.

@@ -1,0 +1,158 @@
+"""Rerankers: a tiny Qwen3-Reranker (the published config's layout, narrowed) with the real Qwen3
+tokenizer, converted by localrun, scores (query, document) pairs as transformers does with the
+model card's own code, and its file is the one llama.cpp's converter writes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from convert_helpers import gguf_reader, gguf_tensors, make_checkpoint, model_keys, reference_gguf
+
+import convert
+
+# Qwen/Qwen3-Reranker-0.6B's config.json keys that differ from the tiny Qwen3's (its widths and
+# depth stay narrowed): tied embeddings, whose "yes" and "no" rows are the reranker's head.
+PUBLISHED = {"tie_word_embeddings": True, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+             "rms_norm_eps": 1e-06}
+QUERY = "What is the capital of France?"
+DOCS = [
+    "Paris is the capital and largest city of France.",
+    "The Eiffel Tower was finished in 1889.",
+    "Bananas are rich in potassium.",
+    "Berlin is the capital of Germany.",
+    "France borders Spain, Italy and Germany.",
+]
+# The model card's prompt (Qwen3-Reranker's README), written here from the card, not from the file.
+PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+          "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = tmp_path_factory.mktemp("rerank") / "Qwen3-Reranker-tiny"
+    folder.mkdir()
+    model, tok = make_checkpoint(folder, "qwen3", config=PUBLISHED, seed=3)
+    return folder, model, tok
+
+
+def card_scores(model, tok) -> list[float]:  # noqa: ANN001
+    """The model card's scoring: the last position's "yes" against "no", softmaxed."""
+    import torch
+
+    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+    out = []
+    for doc in DOCS:
+        text = f"{PREFIX}<Instruct>: {INSTRUCT}\n<Query>: {QUERY}\n<Document>: {doc}{SUFFIX}"
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, -1, [yes, no]].double()
+        out.append(float(torch.softmax(logits, dim=0)[0]))
+    return out
+
+
+def test_qwen3_reranker_scores_equal_transformers(reranker, tmp_path: Path) -> None:  # noqa: ANN001
+    from localrun import api
+    from localrun.settings import LoadOptions
+
+    folder, model, tok = reranker
+    path = convert.convert(folder, tmp_path / "r.gguf", outtype="f32").path
+    keys = model_keys(gguf_reader(path))
+    assert keys["qwen3.pooling_type"] == 4 and keys["qwen3.classifier.output_labels"] == ["yes", "no"]
+    want = card_scores(model, tok)
+    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1:]) > 5e-3  # an order to check
+    session = api.load(str(path), LoadOptions(n_ctx=512))
+    try:
+        got = session.rerank(QUERY, DOCS)
+    finally:
+        session.close()
+    assert np.allclose(got.scores, want, atol=1e-3), (got.scores, want)
+    assert np.argsort(got.scores).tolist() == np.argsort(want).tolist()
+    assert got.prompt_tokens == sum(len(tok(f"{PREFIX}<Instruct>: {INSTRUCT}\n<Query>: {QUERY}\n<Document>: "
+                                            f"{d}{SUFFIX}", add_special_tokens=False)["input_ids"]) for d in DOCS)
+
+
+@pytest.mark.slow
+def test_qwen3_reranker_file_is_llama_cpps(reranker, llama_cpp_converter: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    folder = tmp_path / "Qwen3-Reranker-tiny"
+    shutil.copytree(reranker[0], folder)
+    ref = reference_gguf(llama_cpp_converter, folder, tmp_path / "ref.gguf", "f16")
+    ours = gguf_reader(convert.convert(folder, tmp_path / "ours.gguf", outtype="f16").path)
+    assert gguf_tensors(ours) == gguf_tensors(ref)
+    want, got = model_keys(ref), model_keys(ours)
+    assert got == want
+    rf, of = ref.fields, ours.fields
+    assert of["tokenizer.chat_template.rerank"].contents() == rf["tokenizer.chat_template.rerank"].contents()
+
+
+def test_a_plain_qwen3_is_no_reranker(tmp_path: Path, reranker) -> None:  # noqa: ANN001
+    folder = tmp_path / "tiny-qwen3"
+    shutil.copytree(reranker[0], folder)
+    keys = model_keys(gguf_reader(convert.convert(folder, tmp_path / "m.gguf", outtype="f16").path))
+    assert "qwen3.pooling_type" not in keys
+
+
+@pytest.fixture(scope="module")
+def reranker_gguf(reranker, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: ANN001
+    return convert.convert(reranker[0], tmp_path_factory.mktemp("rerank-f32") / "r.gguf", outtype="f32").path
+
+
+def test_rerank_endpoint_in_jina_cohere_and_tei_shapes(reranker, reranker_gguf: Path) -> None:  # noqa: ANN001
+    from localrun import api
+    from localrun.settings import LoadOptions
+    from tests.server.conftest import serve
+
+    want = card_scores(*reranker[1:])
+    best = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    api.add_model(str(reranker_gguf), "tiny-reranker:f32")
+    with serve(LoadOptions(n_ctx=512)) as served:
+        http = served.http()
+        res = http.post("/v1/rerank", json={"model": "tiny-reranker:f32", "query": QUERY, "documents": DOCS,
+                                            "top_n": 3, "return_documents": True})
+        assert res.status_code == 200, res.text
+        body = res.json()
+        assert [r["index"] for r in body["results"]] == best[:3]
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([want[i] for i in best[:3]], abs=1e-3)
+        assert [r["document"]["text"] for r in body["results"]] == [DOCS[i] for i in best[:3]]
+        assert body["usage"]["prompt_tokens"] > 0 and body["object"] == "list"
+        # Cohere's documents as objects; llama-server's other routes
+        objects = http.post("/rerank", json={"model": "tiny-reranker:f32", "query": QUERY,
+                                             "documents": [{"text": d} for d in DOCS]}).json()
+        assert [r["index"] for r in objects["results"]] == best and "document" not in objects["results"][0]
+        tei = http.post("/v1/reranking", json={"model": "tiny-reranker:f32", "query": QUERY, "texts": DOCS,
+                                               "return_text": True}).json()
+        assert [r["index"] for r in tei] == best and tei[0]["text"] == DOCS[best[0]] and "score" in tei[0]
+        # a model that is not a reranker, no documents, an unknown model: 400, 400, 404
+        res = http.post("/v1/rerank", json={"model": "smollm2:135m", "query": QUERY, "documents": DOCS})
+        assert res.status_code == 400 and "is not a reranker" in res.text
+        assert http.post("/v1/rerank", json={"model": "tiny-reranker:f32", "query": QUERY,
+                                             "documents": []}).status_code == 400
+        assert http.post("/v1/rerank", json={"model": "nope", "query": QUERY, "documents": DOCS}).status_code == 404
+        # its embeddings are refused by name, and /api/show says what it does
+        res = http.post("/v1/embeddings", json={"model": "tiny-reranker:f32", "input": "x"})
+        assert res.status_code == 400 and "is a reranker" in res.text
+        show = http.post("/api/show", json={"model": "tiny-reranker:f32"}).json()
+        assert show["capabilities"] == ["rerank"]
+
+
+def test_rerank_command(reranker, reranker_gguf: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    import json
+    import subprocess
+    import sys
+
+    want = card_scores(*reranker[1:])
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join([DOCS[0], json.dumps({"text": DOCS[1]}), json.dumps(DOCS[2]), "", *DOCS[3:]]) + "\n")
+    out = subprocess.run([sys.executable, "-m", "localrun", "rerank", str(reranker_gguf), QUERY, "--docs", str(docs),
+                          "--json", "--top-n", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)["results"]
+    best = sorted(range(len(DOCS)), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in results] == best and [r["document"] for r in results] == [DOCS[i] for i in best]
+    table = subprocess.run([sys.executable, "-m", "localrun", "rerank", str(reranker_gguf), QUERY, "-d", str(docs)],
+                           capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0 and table.stdout.splitlines()[0].split()[1] == str(best[0])
