@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 BENCHES = ["bench_run.py", "bench_batch.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py", "bench_tui.py",
-           "bench_serve.py", "bench_agents.py", "bench_structured.py", "bench_workbench.py", "bench_lora.py"]
+           "bench_serve.py", "bench_agents.py", "bench_structured.py", "bench_workbench.py", "bench_lora.py",
+           "rerank_agreement.py"]
 
 
 def main() -> int:

@@ -59,7 +59,8 @@ def default_out(ckpt: Checkpoint, folder: Path, outtype: str, adapters: Sequence
 
 
 def _metadata(ckpt: Checkpoint, plan: Plan, name: str | None):  # noqa: ANN202
-    vocab = load_vocab(ckpt.tokenizer_dir, ckpt.embedding_rows(), ckpt.arch.add_space_prefix())
+    vocab = ckpt.arch.load_vocab(ckpt.tokenizer_dir, ckpt.embedding_rows()) or \
+        load_vocab(ckpt.tokenizer_dir, ckpt.embedding_rows(), ckpt.arch.add_space_prefix())
     add_bos = ckpt.arch.add_bos_token()
     if add_bos is not None:
         vocab.special.add_special_token["bos"] = add_bos

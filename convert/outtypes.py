@@ -94,13 +94,16 @@ _F32_ENDINGS = tuple(
     for t in (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
 )
 
+# A text model's own tensors that llama.cpp's converter keeps in F32 (not a projector's v.*).
+_F32_NAMES = frozenset(gguf.TENSOR_NAMES[t] + ".weight" for t in (gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.TOKEN_TYPES))
+
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: Q) -> Q:
     """The GGUF type of one tensor for a directly written output type (as llama.cpp chooses)."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return Q.F32  # norms, biases, rope factors: small and sensitive
-    if name.endswith(_F32_ENDINGS):
-        return Q.F32  # routers, whatever the output type
+    if name.endswith(_F32_ENDINGS) or name in _F32_NAMES:
+        return Q.F32  # routers, an encoder's position and token-type embeddings, whatever the output type
     if outtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
         return Q.F16  # rows that do not fill whole blocks
     return outtype

@@ -32,6 +32,8 @@ class Vocab:
     remove_extra_whitespaces: bool | None = None
     eot: int | None = None
     notes: list[str] = field(default_factory=list)
+    charsmap: bytes | None = None  # a Unigram normaliser's precompiled character map
+    token_type_count: int | None = None  # an encoder's token types (BERT's segments)
 
     def write(self, w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model(self.model)
@@ -42,8 +44,12 @@ class Vocab:
         w.add_token_types(self.toktypes)
         if self.add_space_prefix is not None:
             w.add_add_space_prefix(self.add_space_prefix)
+        if self.token_type_count is not None:
+            w.add_token_type_count(self.token_type_count)
         if self.remove_extra_whitespaces is not None:
             w.add_remove_extra_whitespaces(self.remove_extra_whitespaces)
+        if self.charsmap:
+            w.add_precompiled_charsmap(self.charsmap)
         self.special.add_to_gguf(w, quiet=True)
         if self.eot is not None and "eot" not in self.special.special_token_ids:
             w.add_eot_token_id(self.eot)
@@ -280,3 +286,46 @@ def load_vocab(folder: Path, n_vocab: int | None, add_space_prefix: bool | None 
         remove_extra_whitespaces=remove_ws,
         eot=_eot(tokens, types),
     )
+
+
+def xlmr_unigram(folder: Path, n_vocab: int | None, type_count: int = 1) -> Vocab:
+    """XLM-RoBERTa's SentencePiece Unigram vocabulary (sentencepiece.bpe.model) in fairseq's
+    order, as llama.cpp's "t5" (UGM) tokenizer reads it: <s> <pad> </s> <unk> first, every other
+    piece one place later, [PADn] up to the embedding's rows, the normaliser's character map."""
+    try:
+        from sentencepiece import SentencePieceProcessor
+        from sentencepiece import sentencepiece_model_pb2 as pb  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise ConvertError("sentencepiece.bpe.model needs the sentencepiece package",
+                           "pip install 'localrun[convert]'") from e
+    path = folder / "sentencepiece.bpe.model"
+    if not path.is_file():
+        raise ConvertError(f"{folder} has no sentencepiece.bpe.model",
+                           "add the model's sentencepiece.bpe.model (XLM-RoBERTa's tokenizer) from the original model")
+    raw = path.read_bytes()
+    proto = pb.ModelProto()  # type: ignore[attr-defined]
+    try:
+        proto.ParseFromString(raw)
+    except Exception as e:  # protobuf's DecodeError
+        raise ConvertError(f"{path} is not a SentencePiece model: {e}") from e
+    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM:  # type: ignore[attr-defined]
+        raise ConvertError(f"{path} is not a SentencePiece Unigram model", "XLM-RoBERTa's tokenizer is Unigram")
+    sp = SentencePieceProcessor(model_proto=raw)
+    size = max(n_vocab or 0, sp.vocab_size())
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    scores = [-10000.0] * size
+    types = [int(T.UNUSED)] * size
+    for i in range(sp.vocab_size()):
+        tokens[i] = sp.IdToPiece(i)
+        scores[i] = sp.GetScore(i)
+        types[i] = int(T.UNKNOWN if sp.IsUnknown(i) else T.CONTROL if sp.IsControl(i) else
+                       T.UNUSED if sp.IsUnused(i) else T.BYTE if sp.IsByte(i) else T.NORMAL)
+    # fairseq's order: the four specials, then the pieces from SentencePiece's id 3 on
+    tokens = ["<s>", "<pad>", "</s>", "<unk>", *tokens[3:-1]]
+    scores = [0.0] * 4 + scores[3:-1]
+    types = [int(T.CONTROL)] * 3 + [int(T.UNKNOWN)] + types[3:-1]
+    norm = proto.normalizer_spec
+    special = gguf.SpecialVocab(folder, n_vocab=len(tokens))
+    return Vocab(model="t5", pre="default", tokens=tokens, toktypes=types, scores=scores, special=special,
+                 add_space_prefix=bool(norm.add_dummy_prefix), remove_extra_whitespaces=bool(norm.remove_extra_whitespaces),
+                 charsmap=bytes(norm.precompiled_charsmap) or None, token_type_count=type_count)

@@ -15,15 +15,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from localrun.backends.base import EMBEDDING_ARCHS
+
 if TYPE_CHECKING:
     from localrun.backends.base import Abilities
     from localrun.reasoning import ReasoningFormat
     from localrun.store import ModelInfo
 
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
-
-# Encoder architectures: they embed and never generate.
-EMBEDDING_ARCHS = ("bert", "nomic-bert", "jina-bert-v2", "jina-bert-v3", "t5encoder", "modern-bert", "neo-bert")
 
 
 def embeds_only(model: ModelInfo) -> bool:
@@ -34,11 +33,15 @@ def embeds_only(model: ModelInfo) -> bool:
 
 
 def reranks(model: ModelInfo) -> bool:
-    """A reranker: a GGUF whose pooling is rank (4), a classification head over (query, document)."""
+    """A reranker: a GGUF whose pooling is rank (4), or an encoder with a classification head
+    whose file declares no pooling (llama.cpp's converter leaves rank to llama-server's --rerank)."""
     arch = model.architecture or ""
     meta = model.details.get("metadata") or {}
+    pooling = meta.get(f"{arch}.pooling_type")
+    if pooling is None:
+        return arch in EMBEDDING_ARCHS and f"{arch}.classifier.output_labels" in meta
     try:
-        return int(meta.get(f"{arch}.pooling_type") or 0) == RANK_POOLING
+        return int(pooling) == RANK_POOLING
     except (TypeError, ValueError):
         return False
 

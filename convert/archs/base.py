@@ -17,6 +17,7 @@ from convert.errors import ConvertError
 
 if TYPE_CHECKING:
     from convert.archs.projector import Projector
+    from convert.vocab import Vocab
 
 # Tensors that hold no weights llama.cpp uses.
 SKIP_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")
@@ -254,6 +255,10 @@ class Arch:
         return (name.format(bid=bid) if bid is not None else name) + suffix
 
     # --- vocabulary -------------------------------------------------------------------------
+    def load_vocab(self, folder: Path, n_vocab: int | None) -> Vocab | None:
+        """The family's own vocabulary reader (None: the common one, convert.vocab.load_vocab)."""
+        return None
+
     def add_space_prefix(self) -> bool | None:
         """Override of the SentencePiece space prefix (None: from the tokenizer)."""
         return None

@@ -28,6 +28,10 @@ class Cancel(Protocol):
     def is_set(self) -> bool: ...
 
 
+# Encoder architectures (GGUF names): they embed or rank and never generate.
+EMBEDDING_ARCHS = ("bert", "nomic-bert", "jina-bert-v2", "jina-bert-v3", "t5encoder", "modern-bert", "neo-bert")
+
+
 @dataclass(frozen=True)
 class Abilities:
     """What an engine can do besides generating text, declared once on its classes; the CLI's

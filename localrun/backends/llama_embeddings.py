@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from localrun.backends.base import Embeddings, Ranked
+from localrun.backends.base import EMBEDDING_ARCHS, Embeddings, Ranked
 from localrun.backends.llama_loader import last_log_error
 from localrun.errors import ContextOverflowError, EngineError, UsageError
 from localrun.store import ModelInfo
@@ -61,8 +61,13 @@ class LlamaEmbeddings:
         return Ranked(scores, sum(len(p) for p in pairs))
 
     def _rank_pooling(self) -> bool:
-        value = self.meta(f"{self.meta('general.architecture')}.pooling_type")
-        return value is not None and int(value) == int(self.ll.LLAMA_POOLING_TYPE_RANK)
+        """A reranker: its file declares rank pooling, or (a file made by llama.cpp's converter,
+        which leaves that to llama-server's --rerank) an encoder with a classification head."""
+        arch = self.meta("general.architecture") or ""
+        value = self.meta(f"{arch}.pooling_type")
+        if value is not None:
+            return int(value) == int(self.ll.LLAMA_POOLING_TYPE_RANK)
+        return arch in EMBEDDING_ARCHS and bool(self.ll.llama_model_cls_label(self.model, 0))
 
     def _ids(self, tokens: list[int]) -> list[int]:
         n_vocab = int(self.ll.llama_vocab_n_tokens(self.ll.llama_model_get_vocab(self.model)))
@@ -111,7 +116,9 @@ class LlamaEmbeddings:
             cparams.n_threads = cparams.n_threads_batch = self.threads
             cparams.embeddings = True
             cparams.no_perf = True
-            if self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
+            if self._rank_pooling():
+                cparams.pooling_type = ll.LLAMA_POOLING_TYPE_RANK
+            elif self.meta(f"{self.meta('general.architecture')}.pooling_type") is None:
                 cparams.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN  # a generative model: mean of its tokens
             self._embed_ctx = ll.llama_init_from_model(self.model, cparams)
             if not self._embed_ctx:

@@ -1,6 +1,8 @@
-"""Rerankers: a tiny Qwen3-Reranker (the published config's layout, narrowed) with the real Qwen3
-tokenizer, converted by localrun, scores (query, document) pairs as transformers does with the
-model card's own code, and its file is the one llama.cpp's converter writes."""
+"""Rerankers of both families people use, built with transformers from their published configs
+(narrowed) and converted by localrun: a tiny Qwen3-Reranker with the real Qwen3 tokenizer, scored
+as the model card's own code scores it, and a tiny BGE reranker (XLM-RoBERTa with a
+classification head, on a SentencePiece Unigram vocabulary trained here), scored as transformers'
+cross-encoder; each file is the one llama.cpp's converter writes."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import gguf_reader, gguf_tensors, make_checkpoint, model_keys, reference_gguf
+from convert_helpers import gguf_reader, gguf_tensors, make_checkpoint, model_keys, need_asset, reference_gguf
 
 import convert
 
@@ -30,6 +32,117 @@ PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements
           "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+# BAAI/bge-reranker-v2-m3's config.json, narrowed (depth, widths; its vocabulary is trained here).
+BGE = {"architectures": ["XLMRobertaForSequenceClassification"], "hidden_act": "gelu", "layer_norm_eps": 1e-05,
+       "max_position_embeddings": 8194, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+       "type_vocab_size": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+       "position_embedding_type": "absolute", "hidden_size": 64, "intermediate_size": 128,
+       "num_hidden_layers": 2, "num_attention_heads": 4}
+INIT = 0.1
+
+
+def make_bge_reranker(folder: Path, init: float = INIT):  # noqa: ANN201
+    """A tiny BGE reranker: XLMRobertaForSequenceClassification with an XLM-R tokenizer made from a
+    SentencePiece Unigram model trained on the real chat templates among the test assets and the
+    test's own sentences (the real one ships its
+    sentencepiece.bpe.model and the tokenizer.json transformers makes of it)."""
+    import json
+
+    import sentencepiece as spm
+    import torch
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    templates = sorted(need_asset("chat-templates").glob("*.jinja"))
+    lines = [line for path in templates for line in path.read_text(encoding="utf-8").splitlines()] + [QUERY, *DOCS]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(folder / "sp"), vocab_size=500,
+                                   model_type="unigram", character_coverage=1.0, hard_vocab_limit=False,
+                                   minloglevel=2, num_threads=1)
+    (folder / "sp.model").rename(folder / "sentencepiece.bpe.model")
+    (folder / "sp.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "XLMRobertaTokenizer",
+                                                              "model_max_length": 8192}))
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    tok.save_pretrained(folder)
+    # A wide initialisation (and random norms and biases, so that a dropped one shows): at the
+    # published 0.02 every document scores the same to 1e-4 and there is no order to check; from
+    # 0.12 up, llama.cpp's GELU (tanh's, from a float16 table on CPU, for transformers' erf) moves
+    # the scores by about 1e-3.
+    config = tf.XLMRobertaConfig(**{**BGE, "vocab_size": len(tok), "initializer_range": init})
+    torch.manual_seed(0)
+    model = tf.XLMRobertaForSequenceClassification(config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name and name.endswith("weight"):
+                p.copy_(1 + (torch.rand(p.shape, generator=g) - 0.5) * 0.4)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def bge(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    folder = tmp_path_factory.mktemp("bge") / "bge-reranker-tiny"
+    model, tok = make_bge_reranker(folder)
+    return folder, model, tok
+
+
+def cross_encoder_scores(model, tok) -> list[float]:  # noqa: ANN001
+    """transformers' cross-encoder score of each pair: the classification head's logit."""
+    import torch
+
+    with torch.no_grad():
+        return [float(model(**tok(QUERY, doc, return_tensors="pt")).logits[0, 0]) for doc in DOCS]
+
+
+def test_bge_reranker_scores_equal_transformers(bge, tmp_path: Path) -> None:  # noqa: ANN001
+    from localrun import api
+    from localrun.settings import LoadOptions
+
+    folder, model, tok = bge
+    path = convert.convert(folder, tmp_path / "b.gguf", outtype="f32").path
+    keys = model_keys(gguf_reader(path))
+    assert keys["bert.pooling_type"] == 4 and keys["bert.classifier.output_labels"] == ["LABEL_0"]
+    want = cross_encoder_scores(model, tok)
+    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1:]) > 2e-3  # an order 1e-3 cannot flip
+    session = api.load(str(path), LoadOptions(n_ctx=512))
+    try:
+        got = session.rerank(QUERY, DOCS)
+    finally:
+        session.close()
+    assert np.allclose(got.scores, want, atol=1e-3), (got.scores, want)
+    assert np.argsort(got.scores).tolist() == np.argsort(want).tolist()
+    # <s> query </s></s> document </s>: the pair as the tokenizer writes it
+    assert got.prompt_tokens == sum(len(tok(QUERY, d)["input_ids"]) for d in DOCS)
+
+
+@pytest.mark.slow
+def test_bge_reranker_file_is_llama_cpps(bge, llama_cpp_converter: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """The same tensors and keys, and one key more: the file says it is a reranker (llama.cpp's
+    converter leaves that to llama-server's --rerank), and a file without it still ranks."""
+    from localrun import api
+    from localrun.settings import LoadOptions
+
+    ref_path = tmp_path / "ref.gguf"
+    ref = reference_gguf(llama_cpp_converter, bge[0], ref_path, "f16")
+    ours = gguf_reader(convert.convert(bge[0], tmp_path / "ours.gguf", outtype="f16").path)
+    assert gguf_tensors(ours) == gguf_tensors(ref)
+    want, got = model_keys(ref), model_keys(ours)
+    assert {k: v for k, v in got.items() if k != "bert.pooling_type"} == want and got["bert.pooling_type"] == 4
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.precompiled_charsmap", "tokenizer.ggml.add_space_prefix"):
+        assert ours.fields[key].contents() == ref.fields[key].contents(), key
+    session = api.load(str(ref_path), LoadOptions(n_ctx=512))
+    try:
+        scores = session.rerank(QUERY, DOCS).scores
+    finally:
+        session.close()
+    assert np.allclose(scores, cross_encoder_scores(*bge[1:]), atol=1e-2)  # F16 weights
+    assert api.capabilities(api.get_model(str(ref_path))) == ("rerank",)
 
 
 @pytest.fixture(scope="module")
