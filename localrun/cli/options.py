@@ -207,6 +207,32 @@ def add_tool_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the model decides; required: it must call a tool; NAME: it must call that one")
 
 
+def add_mcp_flags(p: argparse.ArgumentParser) -> None:
+    """MCP servers whose tools the model may use, and which calls may run without asking."""
+    g = p.add_argument_group("MCP tools")
+    g.add_argument("--mcp", metavar="FILE",
+                   help="an mcp.json naming MCP servers whose tools the model may use (default: mcp.json in "
+                        "localrun's folder, when there is one)")
+    g.add_argument("--no-mcp", action="store_true", help="use no MCP servers, even those of localrun's mcp.json")
+    g.add_argument("--allow-tools", default="", metavar="NAME,...|all",
+                   help="tools whose calls run without asking (a tool's name, SERVER/NAME, a server's name, or "
+                        "all); other calls are asked about on a terminal and refused elsewhere")
+    g.add_argument("--max-tool-steps", type=int_in(1), default=8, metavar="N",
+                   help="replies with tool calls before the model must answer (default 8)")
+
+
+def mcp_specs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The MCP servers --mcp (or localrun's own mcp.json) names; none with --no-mcp."""
+    from localrun.errors import UsageError
+    from localrun.tool_servers import read_config
+
+    if getattr(args, "no_mcp", False):
+        if args.mcp:
+            raise UsageError("--mcp and --no-mcp say opposite things", "keep one")
+        return {}
+    return read_config(getattr(args, "mcp", None))
+
+
 def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan | None:
     """The ToolPlan for --tools on this model, or None."""
     import json
@@ -217,14 +243,21 @@ def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan 
     from localrun.tools import ToolPlan
 
     if args.tools is None:
-        if args.tool_choice is not None:
-            raise UsageError("--tool-choice needs --tools")
+        if args.tool_choice is not None and not (getattr(args, "mcp", None) or mcp_specs_from_args(args)):
+            raise UsageError("--tool-choice needs --tools or MCP servers (--mcp)")
         return None
     try:
         tools = json.loads(read_text_or_file(args.tools, "--tools"))
     except ValueError as e:
         raise UsageError(f"--tools: not JSON ({e})", "give a JSON list of tools, or the path of a file with one") from e
-    return ToolPlan.make(api.chat_template(model), tools, args.tool_choice)
+    return ToolPlan.make(api.chat_template(model), tools, tool_choice_arg(args.tool_choice))
+
+
+def tool_choice_arg(value: str | None) -> Any:
+    """--tool-choice as the APIs take it: auto, required or none, or a function's NAME."""
+    if value is None or value in ("auto", "required", "none"):
+        return value
+    return {"type": "function", "function": {"name": value}}
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:

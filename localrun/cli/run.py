@@ -13,13 +13,16 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_mcp_flags,
     add_thinking_flags,
     add_tool_flags,
     check_think,
     constraint_from_args,
     load_options_from_args,
+    mcp_specs_from_args,
     target_from_args,
     think_from_args,
+    tool_choice_arg,
     tool_plan_from_args,
 )
 
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     from localrun.generation import Chunk, Request
     from localrun.settings import GenerationParams
     from localrun.store import ModelInfo
+    from localrun.tool_loop import Answer, Reply, ToolLoop, ToolUse
+    from localrun.tool_servers import ServerTool
     from localrun.tools import ToolPlan
 
 
@@ -46,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_constraint_flags(p)
     add_thinking_flags(p)
     add_tool_flags(p)
+    add_mcp_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_run)
 
@@ -88,6 +94,12 @@ def _run(args: argparse.Namespace) -> int:
     target, engine = target_from_args(args)
     model = target.model
     plan = tool_plan_from_args(args, model)
+    specs = mcp_specs_from_args(args)
+    if specs and (args.raw or args.tools is not None):
+        if args.mcp:
+            raise UsageError("MCP tools need the chat template and localrun running the calls",
+                             "drop --raw and --tools, or drop --mcp")
+        specs = {}  # localrun's own mcp.json: not for raw prompts or caller-run tools
     _check_think(model, engine, think)
     params = settings.resolve(given, target, engine, constraint=constraint, tools=plan)
     name = target.preset_name or model.name
@@ -101,7 +113,22 @@ def _run(args: argparse.Namespace) -> int:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
+    tools = _Tools(args, specs) if specs else None
+
+    def prepare(msgs: list[dict[str, Any]], choice: str, functions: list[dict[str, Any]]) -> tuple[Request, GenerationParams, ToolPlan]:
+        """A tool step's request and settings: the tools held to this step's choice."""
+        from localrun.chat import parse_messages
+        from localrun.tools import ToolPlan
+
+        step = ToolPlan.make(api.chat_template(model), functions, tool_choice_arg(choice))
+        assert step is not None
+        request = step.request(parse_messages(msgs))
+        return (target.request(dataclasses.replace(request, think=think)),
+                settings.resolve(given, target, engine, constraint=constraint, tools=step), step)
+
     try:
+        if tools is not None:
+            return _with_tools(session, name, args, tools, prepare, prompt, images)
         if prompt is None:
             return _interactive(session, name, args, params, think, target.request, images)
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system,
@@ -112,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
             request = target.request(dataclasses.replace(request, think=think))
         return _answer(session, name, request, params, args, plan)
     finally:
+        if tools is not None:
+            tools.close()
         session.close()
 
 
@@ -340,3 +369,186 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
         pending = []
         if args.verbose and last is not None:
             _print_stats(last)
+
+
+class _Tools:
+    """MCP tools in a terminal: the servers start on the first message and stop with the chat;
+    each call is shown on stderr as it runs and, unless --allow-tools allows it, asked about when
+    stdin and stderr are a terminal (refused otherwise, saying how to allow it)."""
+
+    def __init__(self, args: argparse.Namespace, specs: dict[str, Any]) -> None:
+        from localrun.tool_loop import Approvals
+        from localrun.tool_servers import ToolServers
+
+        self.args = args
+        self.servers = ToolServers(specs)
+        asks = sys.stdin.isatty() and sys.stderr.isatty()
+        self.approvals = Approvals(args.allow_tools.split(","), self._ask if asks else None)
+        self.loop: ToolLoop | None = None
+        self.dim = sys.stderr.isatty()
+
+    def start(self) -> ToolLoop:
+        from localrun.tool_loop import ToolLoop
+
+        if self.loop is None:
+            found = self.servers.tools()
+            for server, why in self.servers.failures.items():
+                spec = self.servers.specs.get(server)
+                log = f" (its messages: {self.servers.log_path(server)})" if spec is not None and spec.command else ""
+                print(f"localrun: MCP server '{server}' is not available: {why}{log}; going on without its tools",
+                      file=sys.stderr)
+            self.loop = ToolLoop(self.servers, self.approvals, found, max_steps=self.args.max_tool_steps,
+                                 on_use=self._shown)
+        return self.loop
+
+    def _ask(self, tool: ServerTool, arguments: dict[str, Any]) -> Answer:
+        args = json.dumps(arguments, ensure_ascii=False)
+        while True:
+            try:
+                answer = input(f"allow {tool.server}/{tool.name} {args}? [y]es once, [a]lways, [n]o, ne[v]er: ")
+            except EOFError:
+                return "no"
+            choice = {"y": "once", "yes": "once", "a": "always", "always": "always", "n": "no", "no": "no",
+                      "v": "never", "never": "never"}.get(answer.strip().lower())
+            if choice is not None:
+                return choice  # type: ignore[return-value]
+
+    def _shown(self, use: ToolUse) -> None:
+        from localrun.tool_loop import describe
+
+        line = f"[tool {describe(use)}]"
+        if not use.allowed and self.approvals.ask is None and use.server:
+            line += f" (not run: allow it with --allow-tools {use.tool})"
+        if not self.args.json:
+            print(f"\x1b[2m{line}\x1b[0m" if self.dim else line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.servers.close()
+
+
+def _tool_reply(session: Session, request: Request, params: GenerationParams, plan: ToolPlan, show: bool,
+                thought: _Thought, cancel: Any = None) -> Reply:
+    """Stream one reply of a tool step: its content to stdout as it comes (when shown), its calls
+    parsed from the whole text."""
+    from localrun import api
+    from localrun.tool_loop import Reply
+
+    streamer = plan.streamer()
+    parts: list[str] = []
+    last = None
+    for chunk in api.stream(session, request, params, cancel):
+        if chunk.done:
+            last = chunk
+            break
+        thought.feed(chunk.thinking, chunk.text)
+        parts.append(chunk.text)
+        if show:
+            _show_content(streamer.feed(chunk.text) if streamer else [("content", chunk.text)])
+    if show and streamer is not None:
+        _show_content(streamer.flush())
+    thought.end()
+    # Under "none" (the step limit) calls the model still writes are read out and dropped.
+    content, calls = plan.format.parse("".join(parts))
+    return Reply(content, [] if plan.choice == "none" else calls, last, "".join(thought.parts))
+
+
+def _show_content(events: list[Any]) -> None:
+    """The content part of a reply's events on stdout (its calls are shown when they run)."""
+    for e in events:
+        if e[0] == "content" and isinstance(e[1], str) and e[1]:
+            sys.stdout.write(e[1])
+    sys.stdout.flush()
+
+
+def _with_tools(session: Session, name: str, args: argparse.Namespace, tools: _Tools,
+                prepare: Callable[..., tuple[Request, GenerationParams, ToolPlan]], prompt: str | None,
+                images: list[bytes]) -> int:
+    """One reply (or a chat) whose model may call the MCP servers' tools until it answers."""
+    import threading
+
+    from localrun.errors import ContextOverflowError, UsageError
+
+    def messages(text: str, history: list[dict[str, Any]], attached: list[bytes]) -> list[dict[str, Any]]:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        return [*system, *history, {"role": "user", "content": text, **({"images": attached} if attached else {})}]
+
+    def run_turn(msgs: list[dict[str, Any]], choice: str, show: bool, cancel: Any = None) -> tuple[Any, _Thought]:
+        loop = tools.start()
+        thought = _Thought(args)
+
+        def generate(step_msgs: list[dict[str, Any]], step_choice: str) -> Reply:
+            request, params, plan = prepare(step_msgs, step_choice, loop.functions())
+            return _tool_reply(session, request, params, plan, show, thought, cancel)
+
+        if not loop.tools:
+            print("localrun: no MCP tools are available; the model answers without them", file=sys.stderr)
+        return loop.run(generate, msgs, choice if loop.tools else "none"), thought
+
+    choice = args.tool_choice or "auto"
+    if prompt is not None:
+        outcome, thought = run_turn(messages(prompt, [], images), choice, not args.json)
+        last = outcome.reply.final
+        if args.json:
+            record: dict[str, Any] = {"model": name, "text": outcome.reply.text, **_stats(last),
+                                      "tool_uses": [u.to_dict() for u in outcome.uses]}
+            if thought.parts:
+                record["thinking"] = "".join(thought.parts)
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        elif not outcome.reply.text.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.verbose:
+            _print_stats(last)
+        return 130 if last.finish_reason == "cancelled" else 0
+
+    err = sys.stderr
+    history: list[dict[str, Any]] = []
+    pending = list(images)
+    print(f"Chatting with {name}, with tools. Ctrl-C stops a reply, Ctrl-D leaves. /clear forgets, /tools lists them.",
+          file=err)
+    while True:
+        try:
+            text = input(">>> ").strip()
+        except EOFError:
+            print(file=err)
+            return 0
+        except KeyboardInterrupt:
+            print("^C (Ctrl-D leaves)", file=err)
+            continue
+        if not text:
+            continue
+        if text in ("/bye", "/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            history.clear()
+            print("(conversation cleared)", file=err)
+            continue
+        if text == "/tools":
+            loop = tools.start()
+            for t in loop.tools.values():
+                print(f"{t.server}/{t.name}: {t.description.splitlines()[0] if t.description else ''}", file=err)
+            for server, why in tools.servers.failures.items():
+                print(f"{server}: not available ({why})", file=err)
+            continue
+        cancel = threading.Event()
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, _setter(cancel)) if main else None
+        try:
+            outcome, _ = run_turn(messages(text, history, pending), choice, True, cancel)
+        except (ContextOverflowError, UsageError) as e:
+            print(f"localrun: {e}", file=err)
+            continue
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        sys.stdout.write("\n")
+        if cancel.is_set() or (outcome.reply.final is not None and outcome.reply.final.finish_reason == "cancelled"):
+            print("(stopped; this exchange was not kept)", file=err)
+            continue
+        reply: dict[str, Any] = {"role": "assistant", "content": outcome.reply.text}
+        if outcome.reply.thinking:
+            reply["thinking"] = outcome.reply.thinking
+        history = [m for m in outcome.messages if m.get("role") != "system"] + [reply]
+        pending = []
+        if args.verbose and outcome.reply.final is not None:
+            _print_stats(outcome.reply.final)

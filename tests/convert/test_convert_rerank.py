@@ -11,7 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_helpers import gguf_reader, gguf_tensors, make_checkpoint, model_keys, need_asset, reference_gguf
+from convert_helpers import (
+    gguf_reader,
+    gguf_tensors,
+    make_checkpoint,
+    model_keys,
+    need_asset,
+    reference_gguf,
+)
 
 import convert
 
