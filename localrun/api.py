@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from localrun.pool import Pool
     from localrun.presets import Preset
     from localrun.reasoning import ReasoningFormat
+    from localrun.tool_loop import Ask, ToolLoop, ToolUse
+    from localrun.tool_servers import ToolServers
     from localrun.tools import ToolPlan
 
 
@@ -390,6 +392,47 @@ def resolve_settings(given: Mapping[str, Any] | None = None, target: Target | No
     from localrun import settings
 
     return settings.resolve(given, target, engine, defaults=defaults, constraint=constraint, tools=tools)
+
+
+def mcp_servers(config: str | os.PathLike[str] | None = None) -> ToolServers:
+    """The MCP servers an mcp.json names (default: localrun's own, possibly none), not started:
+    they start on first use (`tools()`) and stop with `close()`.
+
+    Raises:
+        UsageError: the file is missing (when given), not JSON, or names a server wrongly.
+    """
+    from localrun.tool_servers import ToolServers, read_config
+
+    return ToolServers(read_config(config))
+
+
+def tool_loop(servers: ToolServers, allowed: Sequence[str] = (), ask: Ask | None = None, *,
+              max_steps: int = 8, on_use: Callable[[ToolUse], None] | None = None) -> ToolLoop:
+    """A loop that runs a model's calls of the servers' tools (starting the servers): each call
+    checked against its input schema, run only when `allowed` names it (a tool, SERVER/NAME, a
+    server, or "all") or `ask` says so, its result fed back; `servers.failures` names the servers
+    that did not start."""
+    from localrun.tool_loop import Approvals, ToolLoop
+
+    return ToolLoop(servers, Approvals(allowed, ask), servers.tools(), max_steps=max_steps, on_use=on_use)
+
+
+def tool_step(target: Target, engine: str, messages: list[dict[str, Any]], functions: list[dict[str, Any]],
+              choice: Any = "auto", given: Mapping[str, Any] | None = None, *, think: bool | str | None = None,
+              defaults: Mapping[str, Any] | None = None, constraint: Constraint | None = None
+              ) -> tuple[Request, GenerationParams, ToolPlan]:
+    """One step of a chat with tools: the request (messages in the chat API's shape, with calls and
+    results) and its settings, the tools held to this step's choice, and the plan that reads the
+    reply's calls (`plan.format.parse(text)`; under "none" calls still written are dropped)."""
+    from localrun.chat import parse_messages
+    from localrun.tools import ToolPlan
+
+    plan = ToolPlan.make(chat_template(target.model), functions, choice)
+    if plan is None:
+        raise UsageError("a tool step needs tools")
+    request = dataclasses.replace(plan.request(parse_messages(messages)), think=think)
+    params = resolve_settings(given, target, engine, defaults=defaults, constraint=constraint, tools=plan)
+    return target.request(request), params, plan
 
 
 def setting_value(name: str, text: str, label: str | None = None) -> Any:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from localrun.settings import GenerationParams
     from localrun.store import ModelInfo
     from localrun.tool_loop import Answer, Reply, ToolLoop, ToolUse
-    from localrun.tool_servers import ServerTool
+    from localrun.tool_servers import ServerTool, ToolServers
     from localrun.tools import ToolPlan
 
 
@@ -113,18 +113,12 @@ def _run(args: argparse.Namespace) -> int:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
-    tools = _Tools(args, specs) if specs else None
+    tools = _Tools(args, api.mcp_servers(args.mcp)) if specs else None
 
     def prepare(msgs: list[dict[str, Any]], choice: str, functions: list[dict[str, Any]]) -> tuple[Request, GenerationParams, ToolPlan]:
         """A tool step's request and settings: the tools held to this step's choice."""
-        from localrun.chat import parse_messages
-        from localrun.tools import ToolPlan
-
-        step = ToolPlan.make(api.chat_template(model), functions, tool_choice_arg(choice))
-        assert step is not None
-        request = step.request(parse_messages(msgs))
-        return (target.request(dataclasses.replace(request, think=think)),
-                settings.resolve(given, target, engine, constraint=constraint, tools=step), step)
+        return api.tool_step(target, engine, msgs, functions, tool_choice_arg(choice), given, think=think,
+                             constraint=constraint)
 
     try:
         if tools is not None:
@@ -376,29 +370,25 @@ class _Tools:
     each call is shown on stderr as it runs and, unless --allow-tools allows it, asked about when
     stdin and stderr are a terminal (refused otherwise, saying how to allow it)."""
 
-    def __init__(self, args: argparse.Namespace, specs: dict[str, Any]) -> None:
-        from localrun.tool_loop import Approvals
-        from localrun.tool_servers import ToolServers
-
+    def __init__(self, args: argparse.Namespace, servers: ToolServers) -> None:
         self.args = args
-        self.servers = ToolServers(specs)
-        asks = sys.stdin.isatty() and sys.stderr.isatty()
-        self.approvals = Approvals(args.allow_tools.split(","), self._ask if asks else None)
+        self.servers = servers
+        self.asks = sys.stdin.isatty() and sys.stderr.isatty()
+        self.allowed = args.allow_tools.split(",")
         self.loop: ToolLoop | None = None
         self.dim = sys.stderr.isatty()
 
     def start(self) -> ToolLoop:
-        from localrun.tool_loop import ToolLoop
+        from localrun import api
 
         if self.loop is None:
-            found = self.servers.tools()
+            self.loop = api.tool_loop(self.servers, self.allowed, self._ask if self.asks else None,
+                                      max_steps=self.args.max_tool_steps, on_use=self._shown)
             for server, why in self.servers.failures.items():
                 spec = self.servers.specs.get(server)
                 log = f" (its messages: {self.servers.log_path(server)})" if spec is not None and spec.command else ""
                 print(f"localrun: MCP server '{server}' is not available: {why}{log}; going on without its tools",
                       file=sys.stderr)
-            self.loop = ToolLoop(self.servers, self.approvals, found, max_steps=self.args.max_tool_steps,
-                                 on_use=self._shown)
         return self.loop
 
     def _ask(self, tool: ServerTool, arguments: dict[str, Any]) -> Answer:
@@ -417,7 +407,7 @@ class _Tools:
         from localrun.tool_loop import describe
 
         line = f"[tool {describe(use)}]"
-        if not use.allowed and self.approvals.ask is None and use.server:
+        if not use.allowed and not self.asks and use.server and use.result == "the user did not allow this call":
             line += f" (not run: allow it with --allow-tools {use.tool})"
         if not self.args.json:
             print(f"\x1b[2m{line}\x1b[0m" if self.dim else line, file=sys.stderr)
