@@ -305,7 +305,7 @@ REFUSED: dict[str, dict[str, Any]] = {
     "ollama": {"mirostat": 0, "mirostat_tau": None, "mirostat_eta": None, "tfs_z": 1.0},
     # background runs, server-side conversations and prompt templates, dropping old items to fit
     "responses": {"background": False, "conversation": None, "prompt": None, "truncation": "disabled",
-                  "max_tool_calls": None, "image": None},
+                  "image": None},
     # a code-execution container and MCP servers Anthropic would run
     "anthropic": {"container": None, "mcp_servers": None},
 }

@@ -31,7 +31,7 @@ def _openai_fields() -> set[str]:
 
 
 RESPONSES_ENDPOINT = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
-                      "text", "metadata", "previous_response_id", "store", "include", "top_logprobs"}
+                      "text", "metadata", "previous_response_id", "store", "include", "top_logprobs", "max_tool_calls"}
 
 
 def _responses_fields() -> set[str]:

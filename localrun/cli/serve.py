@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="models loaded at once (default auto: as many as the memory holds with their KV caches; "
                         "a model that does not fit beside the others waits for them to go idle, then replaces "
                         "the ones idle longest)")
+    m.add_argument("--mcp", metavar="FILE",
+                   help="an mcp.json naming the MCP servers that the Responses API's mcp tools may use (by "
+                        "server_label); requests can use no other")
     m.add_argument("--alias", action="append", default=[], metavar="PATTERN=MODEL",
                    help="serve MODEL for requested names that match PATTERN (* and ? wildcards): the model tiers "
                         "an agent asks for, e.g. --alias 'claude-haiku-*=qwen3:4b' --alias 'claude-*=qwen3:30b' "
@@ -162,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               lora=_default_adapters(args.lora), settings=settings.from_args(args),
                               aliases=_aliases(args.alias),
                               media_dir=os.path.realpath(args.media_dir) if args.media_dir else None,
-                              allow_fetch=args.allow_fetch)
+                              allow_fetch=args.allow_fetch, mcp=api.mcp_servers(args.mcp) if args.mcp else None)
         err = sys.stderr
         warned: set[tuple[str, str]] = set()
 
@@ -201,6 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
         finally:
             pool.close()
+            if config.mcp is not None:
+                config.mcp.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
     finally:

@@ -293,6 +293,7 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     app.state.pool = pool
     app.state.config = config
     app.state.responses = ResponseStore()
+    app.state.mcp = config.mcp
     _install_error_handlers(app)
 
     @app.get("/health")

@@ -30,6 +30,7 @@ from localrun.errors import ContextOverflowError, LocalrunError, UsageError
 from localrun.generation import Request, TokenLogprob
 from localrun.server import display_name, errors, image_url, resolve_target
 from localrun.server.response_store import ResponseStore, Stored
+from localrun.server.responses_mcp import MAX_CALL_ROUNDS, McpTools, error_of, mcp_tools
 from localrun.server.responses_output import Output, ToolName, new_id, unsealed_thought
 from localrun.server.schemas import LoraRef, SettingsBody, response_constraint, with_settings
 from localrun.server.streams import (
@@ -41,6 +42,7 @@ from localrun.server.streams import (
     pool_of,
     resolve,
     start_run,
+    unless_disconnected,
 )
 from localrun.settings import GenerationParams
 from localrun.tools import ToolPlan
@@ -51,8 +53,9 @@ if TYPE_CHECKING:
     from localrun.adapters import Target
 
 router = APIRouter(prefix="/v1")
-# Tools OpenAI runs on its own servers (search, code, computers, images, hosted MCP): a local model
-# cannot call them, so they are left out of what it sees.
+# Tools OpenAI runs on its own servers (search, code, computers, images): a local model cannot call
+# them, so they are left out of what it sees. `mcp` tools run on the servers `serve --mcp` names
+# (responses_mcp.py).
 HOSTED = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "computer",
           "computer_use_preview", "code_interpreter", "image_generation", "local_shell", "shell", "apply_patch",
           "mcp", "tool_search")
@@ -87,6 +90,7 @@ class ResponsesRequest(_ResponsesSettings):
     stream: bool = False
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tool_calls: int | None = Field(default=None, ge=0)  # MCP calls run within one response
     user: str | None = None
     lora: list[LoraRef] | None = None  # an extension, as on the chat API
 
@@ -179,6 +183,13 @@ def _choice(raw: Any, tools: list[dict[str, Any]], names: dict[str, ToolName]) -
             raise UsageError(f"tool_choice names the {kind} tool {raw.get('name')!r}, which is not in tools",
                              param="tool_choice")
         return {"type": "function", "function": {"name": seen}}, tools
+    if kind == "mcp":
+        seen = next((s for s, t in names.items() if t.kind == "mcp" and t.namespace == raw.get("server_label")
+                     and (raw.get("name") is None or t.name == raw.get("name"))), None)
+        if seen is None:
+            raise UsageError(f"tool_choice names the mcp tool {raw.get('name')!r} of {raw.get('server_label')!r}, "
+                             "which is not among the request's mcp tools", param="tool_choice")
+        return ({"type": "function", "function": {"name": seen}} if raw.get("name") else "required"), tools
     if kind == "allowed_tools":
         allowed = {(t.get("type"), t.get("name")) for t in raw.get("tools") or ()}
         keep = [t for t in tools if (names[t["function"]["name"]].kind, names[t["function"]["name"]].name) in allowed]
@@ -271,6 +282,16 @@ def conversation(items: list[dict[str, Any]], config: Any, names: dict[str, Tool
             call = {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args or "{}"}}
             turn = assistant()
             turn.setdefault("tool_calls", []).append(call)
+        elif kind == "mcp_call":
+            name = seen_names.get((item.get("server_label"), item.get("name")), item.get("name"))
+            turn = assistant()
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.get("id"), "type": "function", "function": {"name": name, "arguments": item.get("arguments") or "{}"}})
+            for m in out:
+                m["_closed"] = True
+            out.append({"role": "tool", "tool_call_id": item.get("id"), "content": _mcp_output(item)})
+        elif kind in ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
+            continue  # listings say nothing to the model; approvals become mcp_call items (_approvals)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text, images = (output, []) if isinstance(output, str) else _text_of(output, what, config)
@@ -283,6 +304,16 @@ def conversation(items: list[dict[str, Any]], config: Any, names: dict[str, Tool
     if thought:
         assistant()
     return [{k: v for k, v in m.items() if k != "_closed"} for m in out]
+
+
+def _mcp_output(item: dict[str, Any]) -> str:
+    """What the model reads of an mcp_call: its output, or its error's text."""
+    error = item.get("error")
+    if not error:
+        return str(item.get("output") or "")
+    if isinstance(error, dict) and isinstance(error.get("content"), list):
+        return " ".join(str(c.get("text", "")) for c in error["content"] if isinstance(c, dict))
+    return error if isinstance(error, str) else json.dumps(error)
 
 
 def _reference(item: dict[str, Any], store: ResponseStore | None, what: str) -> dict[str, Any]:
@@ -317,6 +348,10 @@ class _Prepared:
     names: dict[str, ToolName]
     input_items: list[dict[str, Any]]
     parent: Stored | None
+    mcp: McpTools | None = None
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # what the model may call
+    base: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # system, history, input
+    approved: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # calls run on approval
 
 
 async def _prepare(body: ResponsesRequest, request: HttpRequest) -> _Prepared:
@@ -327,20 +362,64 @@ async def _prepare(body: ResponsesRequest, request: HttpRequest) -> _Prepared:
         if note not in _NOTED:  # once per server run: agents send their tools with every request
             _NOTED.add(note)
             print(f"localrun: {note}", file=sys.stderr, flush=True)
-    choice, allowed = _choice(body.tool_choice, tools, names)
-    plan = ToolPlan.make(api.chat_template(target.model), allowed, choice, body.parallel_tool_calls)
-    params = await resolve(request, target, body.settings(), body.constraint(), plan)
     parent = store_of(request).get(body.previous_response_id) if body.previous_response_id else None
     items = _input_items(body.input)
     history = parent.conversation() if parent else []
+    listed = {str(i.get("server_label")) for i in history if isinstance(i, dict) and i.get("type") == "mcp_list_tools"}
+    mcp = await asyncio.to_thread(mcp_tools, body.tools, request.app.state.mcp, listed)
+    if mcp is not None:
+        for seen, tool in mcp.tools.items():
+            tools.append(tool.function())
+            names[seen] = ToolName("mcp", tool.name, tool.server, mcp.approval[seen])
+    choice, allowed = _choice(body.tool_choice, tools, names)
+    plan = ToolPlan.make(api.chat_template(target.model), allowed, choice, body.parallel_tool_calls)
+    params = await resolve(request, target, body.settings(), body.constraint(), plan)
     system = [{"type": "message", "role": "system", "content": body.instructions}] if body.instructions else []
     store = store_of(request)
+    approved = await asyncio.to_thread(_approvals, history + items, mcp, store)
+    base = system + history + items
     messages = await asyncio.to_thread(
-        lambda: parse_messages(conversation(system + history + items, config, names, store) or _empty()))
+        lambda: parse_messages(conversation(base + approved, config, names, store) or _empty()))
     req = plan.request(messages) if plan else Request(messages=tuple(messages))
     req = dataclasses.replace(req, think=body.think)
     await check_images(request, req, target.model, body.model)
-    return _Prepared(target, req, params, plan, names, items, parent)
+    return _Prepared(target, req, params, plan, names, items, parent, mcp, allowed, base, approved)
+
+
+def _approvals(items: list[dict[str, Any]], mcp: McpTools | None, store: ResponseStore) -> list[dict[str, Any]]:
+    """The mcp_call items of the approval responses among the input items: an approved call run
+    now, a refused one told to the model as refused (answered requests are answered once)."""
+    requests = {i.get("id"): i for i in items if isinstance(i, dict) and i.get("type") == "mcp_approval_request"}
+    done = {i.get("approval_request_id") for i in items if isinstance(i, dict) and i.get("type") == "mcp_call"}
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("type") != "mcp_approval_response":
+            continue
+        rid = item.get("approval_request_id")
+        if rid in done:
+            continue
+        req = requests.get(rid) or store.find_item(str(rid))
+        if req is None or req.get("type") != "mcp_approval_request":
+            raise UsageError(f"mcp_approval_response answers {rid!r}, which is no approval request of this "
+                             "conversation", "send previous_response_id of the response that asked", param="input")
+        call: dict[str, Any] = {"id": new_id("mcp"), "type": "mcp_call", "server_label": req.get("server_label"),
+                                "name": req.get("name"), "arguments": req.get("arguments") or "{}",
+                                "approval_request_id": rid}
+        if not item.get("approve"):
+            reason = item.get("reason")
+            call.update(output=None, status="failed", error={"type": "mcp_tool_execution_error", "content": [
+                {"type": "text", "text": "the user did not approve this call" + (f": {reason}" if reason else "")}]})
+        elif mcp is None:
+            raise UsageError("an approved mcp call needs its mcp tool in the request's tools", param="tools")
+        else:
+            seen = next((s for s, t in mcp.tools.items() if t.server == call["server_label"] and t.name == call["name"]),
+                        str(call["name"]))
+            result = mcp.run(seen, call["arguments"])
+            call.update(output=None if result.is_error else result.text, error=error_of(result),
+                        status="failed" if result.is_error else "completed")
+        done.add(rid)
+        out.append(call)
+    return out
 
 
 def _empty() -> list[dict[str, Any]]:
@@ -410,6 +489,102 @@ async def _drive(run: Run, out: Output, plan: ToolPlan | None) -> AsyncIterator[
         yield chunk.finish_reason
 
 
+class _Steps:
+    """The model's runs of one response: it replies again after its MCP calls ran. Holds the
+    current run (what a disconnect or a cancel stops) and the token counts of all of them."""
+
+    def __init__(self, request: HttpRequest, body: ResponsesRequest, prep: _Prepared, out: Output) -> None:
+        self.request, self.body, self.prep, self.out = request, body, prep, out
+        self.run = start_run(request, prep.target, [Job(prep.request, prep.params)], None, stream=True)
+        self.runs = [self.run]
+        self.reason: str | None = None
+        self.begun = False  # the current run's begin() was awaited (by a whole answer's endpoint)
+        self.calls = 0  # MCP calls run
+
+    async def settle(self) -> None:
+        await self.run.settle()
+
+    def close(self) -> None:
+        self.run.close()
+
+    def usage(self) -> dict[str, Any]:
+        """Every run's tokens together (the cached ones are each run's prompt found in the cache)."""
+        total = [_usage(r) for r in self.runs]
+        return {"input_tokens": sum(u["input_tokens"] for u in total),
+                "input_tokens_details": {k: sum(u["input_tokens_details"][k] for u in total)
+                                         for k in ("cached_tokens", "cache_write_tokens")},
+                "output_tokens": sum(u["output_tokens"] for u in total),
+                "output_tokens_details": {"reasoning_tokens": sum(u["output_tokens_details"]["reasoning_tokens"]
+                                                                  for u in total)},
+                "total_tokens": sum(u["total_tokens"] for u in total)}
+
+    async def __aiter__(self) -> AsyncIterator[None]:
+        """Run to the end, yielding whenever `out` has events to send."""
+        for listing in self.prep.mcp.listings if self.prep.mcp else ():
+            self.out.mcp_listing(listing)
+        for call in self.prep.approved:
+            self.out.mcp_done_call(call)
+        if self.prep.mcp or self.prep.approved:
+            yield
+        rounds = 0
+        plan = self.prep.plan
+        while True:
+            if not self.begun:
+                await self.run.begin()
+            self.begun = False
+            async for r in _drive(self.run, self.out, plan):
+                self.reason = r or self.reason
+                yield
+            cut = self.reason in ("length", "cancelled")
+            self.out.finish("incomplete" if self.reason == "length" else "completed")
+            pending = self.out.mcp_pending()
+            if not pending:
+                return
+            mcp = self.prep.mcp
+            assert mcp is not None
+            limit = self.body.max_tool_calls
+            for item in pending:
+                why = ("the reply ended before the call was complete" if cut else
+                       f"max_tool_calls ({limit}) were made" if limit is not None and self.calls >= limit else None)
+                if why is not None:
+                    self.out.mcp_result(item, None, {"type": "mcp_tool_execution_error",
+                                                     "content": [{"type": "text", "text": f"not run: {why}"}]})
+                    continue
+                self.calls += 1
+                result = await asyncio.to_thread(mcp.run, item["_seen"], item["arguments"])
+                self.out.mcp_result(item, None if result.is_error else result.text, error_of(result))
+                yield
+            if cut:
+                return
+            rounds += 1
+            self.reason = None
+            done = rounds >= MAX_CALL_ROUNDS or (limit is not None and self.calls >= limit)
+            plan = await self._next(done)
+
+    async def _next(self, answer: bool) -> ToolPlan | None:
+        """The next run: the conversation with this response's items so far, the tools free (or,
+        with `answer`, after MAX_CALL_ROUNDS rounds of calls or max_tool_calls calls, withheld:
+        the model must answer)."""
+        prep, body = self.prep, self.body
+        config, store = config_of(self.request), store_of(self.request)
+        done = [_public_item(i) for i in self.out.items]
+        messages = await asyncio.to_thread(
+            lambda: parse_messages(conversation(prep.base + done, config, prep.names, store)))
+        choice = "none" if answer else "auto"
+        plan = ToolPlan.make(api.chat_template(prep.target.model), prep.tools, choice, body.parallel_tool_calls)
+        params = await resolve(self.request, prep.target, body.settings(), body.constraint(), plan)
+        req = plan.request(messages) if plan else Request(messages=tuple(messages))
+        req = dataclasses.replace(req, think=body.think)
+        self.out.next_step()
+        self.run = start_run(self.request, prep.target, [Job(req, params)], None, stream=True)
+        self.runs.append(self.run)
+        return plan
+
+
+def _public_item(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if not k.startswith("_")}
+
+
 @router.post("/responses")
 async def create(body: ResponsesRequest, request: HttpRequest) -> Response:
     """A model response to the input, streamed as Server-Sent Events or as one JSON object."""
@@ -419,28 +594,30 @@ async def create(body: ResponsesRequest, request: HttpRequest) -> Response:
     stored = Stored(_response(rid, body, prep, created, "in_progress", []), prep.input_items, prep.parent)
     if body.store:
         store.put(rid, stored)
-    run = start_run(request, prep.target, [Job(prep.request, prep.params)], None, stream=True)
-    stored.cancel = run.close
     out = Output(prep.names, body.summary, "reasoning.encrypted_content" in (body.include or ()),
                  prep.params.logprobs is not None)
+    steps = _Steps(request, body, prep, out)
+    stored.cancel = steps.close
     if body.stream:
-        return RunResponse(_events(run, out, body, prep, rid, created, stored), run, "text/event-stream")
+        return RunResponse(_events(steps, body, prep, rid, created, stored), steps, "text/event-stream")
+
+    async def consume() -> None:
+        async for _ in steps:
+            out.take()
+
     try:
-        await run.begin()
+        await steps.run.begin()  # errors before the first token are the request's status
+        steps.begun = True
+        try:
+            await unless_disconnected(request, consume(), steps.close)
+        finally:
+            await asyncio.shield(steps.settle())
     except LocalrunError:
         store.forget(rid)
         raise
-    reason: str | None = None
-
-    async def consume() -> None:
-        nonlocal reason
-        async for r in _drive(run, out, prep.plan):
-            reason = r or reason
-
-    await run.complete(consume())
-    status, why = _status(reason)
+    status, why = _status(steps.reason)
     out.finish(status)
-    stored.response = _response(rid, body, prep, created, status, out.items, _usage(run), reason=why)
+    stored.response = _response(rid, body, prep, created, status, out.items, steps.usage(), reason=why)
     stored.cancel = None
     return JSONResponse(stored.response)
 
@@ -450,11 +627,12 @@ def _sse(seq: int, event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
-async def _events(run: Run, out: Output, body: ResponsesRequest, prep: _Prepared, rid: str, created: float,
+async def _events(steps: _Steps, body: ResponsesRequest, prep: _Prepared, rid: str, created: float,
                   stored: Stored) -> AsyncIterator[bytes]:
     """The stream: created, in_progress, each item's events as it is written, then completed,
     incomplete or (with an error event before it) failed."""
     seq = 0
+    out = steps.out
 
     def send(event: dict[str, Any]) -> bytes:
         nonlocal seq
@@ -463,11 +641,8 @@ async def _events(run: Run, out: Output, body: ResponsesRequest, prep: _Prepared
 
     yield send({"type": "response.created", "response": stored.response})
     yield send({"type": "response.in_progress", "response": stored.response})
-    reason: str | None = None
     try:
-        await run.begin()
-        async for r in _drive(run, out, prep.plan):
-            reason = r or reason
+        async for _ in steps:
             for event in out.take():
                 yield send(event)
     except LocalrunError as e:
@@ -478,11 +653,11 @@ async def _events(run: Run, out: Output, body: ResponsesRequest, prep: _Prepared
         yield send({"type": "error", "code": code, "message": str(e), "param": getattr(e, "param", None)})
         yield send({"type": "response.failed", "response": stored.response})
         return
-    status, why = _status(reason)
+    status, why = _status(steps.reason)
     out.finish(status)
     for event in out.take():
         yield send(event)
-    stored.response = _response(rid, body, prep, created, status, out.items, _usage(run), reason=why)
+    stored.response = _response(rid, body, prep, created, status, out.items, steps.usage(), reason=why)
     stored.cancel = None
     # OpenAI's stream has no event of its own for a cancelled response: it ends as an incomplete one does
     kind = "response.completed" if status == "completed" else "response.incomplete"

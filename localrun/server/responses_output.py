@@ -21,9 +21,10 @@ class ToolName:
     """What a tool the model sees was in the request: a function or a custom (freeform) tool,
     maybe inside a namespace (the model sees `namespace.name`)."""
 
-    kind: str  # "function" or "custom"
+    kind: str  # "function", "custom" or "mcp" (a tool of an MCP server: namespace is its label)
     name: str
     namespace: str | None = None
+    approval: bool = False  # an mcp tool whose calls wait for the client's approval
 
 
 def new_id(prefix: str) -> str:
@@ -64,6 +65,7 @@ class Output:
         self._calls: dict[int, int] = {}  # the parser's call index -> item index
         self._args: dict[int, str] = {}  # item index -> the call's JSON arguments so far
         self._inputs: dict[int, InputStream] = {}  # item index -> a custom call's input decoder
+        self._pending: list[int] = []  # mcp_call items whose calls have not run yet
         self.text_parts: list[str] = []
 
     def take(self) -> list[dict[str, Any]]:
@@ -147,15 +149,23 @@ class Output:
             self._close_message()
             tool = self.names.get(name or "", ToolName("function", name or ""))
             cid = call_id or new_id("call")
-            if tool.kind == "custom":
-                item: dict[str, Any] = {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": cid,
-                                        "name": tool.name, "input": ""}
+            if tool.kind == "mcp" and tool.approval:
+                item: dict[str, Any] = {"id": new_id("mcpr"), "type": "mcp_approval_request",
+                                        "server_label": tool.namespace, "name": tool.name, "arguments": ""}
+            elif tool.kind == "mcp":
+                item = {"id": new_id("mcp"), "type": "mcp_call", "server_label": tool.namespace, "name": tool.name,
+                        "arguments": "", "status": "in_progress", "_seen": name}
+            elif tool.kind == "custom":
+                item = {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": cid,
+                        "name": tool.name, "input": ""}
             else:
                 item = {"id": new_id("fc"), "type": "function_call", "call_id": cid, "name": tool.name,
                         "arguments": "", "status": "in_progress"}
-            if tool.namespace:
+            if tool.namespace and tool.kind != "mcp":
                 item["namespace"] = tool.namespace
             at = self._calls[index] = self._add(item)
+            if item["type"] == "mcp_call":
+                self._event("response.mcp_call.in_progress", item)
             self._args[at] = ""
             if tool.kind == "custom":
                 self._inputs[at] = InputStream()
@@ -168,7 +178,9 @@ class Output:
             delta = self._inputs[at].feed(arguments)
             if delta:
                 self._event("response.custom_tool_call_input.delta", item, delta=delta)
-        else:
+        elif item["type"] == "mcp_call":
+            self._event("response.mcp_call_arguments.delta", item, delta=arguments)
+        elif item["type"] == "function_call":
             self._event("response.function_call_arguments.delta", item, delta=arguments)
 
     def _close_calls(self) -> None:
@@ -184,10 +196,53 @@ class Output:
                     value = ""
                 item["input"] = value if isinstance(value, str) else json.dumps(value)
                 self._event("response.custom_tool_call_input.done", item, input=item["input"])
+            elif item["type"] == "mcp_call":  # done once it has run (mcp_results)
+                item["arguments"] = args
+                self._event("response.mcp_call_arguments.done", item, arguments=args)
+                self._pending.append(at)
+                continue
+            elif item["type"] == "mcp_approval_request":
+                item["arguments"] = args
             else:
                 item.update(arguments=args, status="completed")
                 self._event("response.function_call_arguments.done", item, arguments=args)
             self._done(item)
+
+    # -- MCP tools --------------------------------------------------------------------------
+    def mcp_listing(self, listing: dict[str, Any]) -> None:
+        """An mcp_list_tools item: the tools of one server, or why it has none."""
+        item = {"id": new_id("mcpl"), **listing, "tools": []}
+        self._add(item)
+        self._event("response.mcp_list_tools.in_progress", item)
+        item["tools"] = listing.get("tools") or []
+        failed = bool(listing.get("error"))
+        self._event("response.mcp_list_tools.failed" if failed else "response.mcp_list_tools.completed", item)
+        self._done(item)
+
+    def mcp_pending(self) -> list[dict[str, Any]]:
+        """The mcp_call items whose calls are to run (their arguments complete)."""
+        return [self.items[at] for at in self._pending]
+
+    def mcp_result(self, item: dict[str, Any], output: str | None, error: dict[str, Any] | None) -> None:
+        """A call has run: its output (or error) goes in, and the item is done."""
+        self._pending.remove(self.items.index(item))
+        item.update(output=output, error=error, status="failed" if error else "completed")
+        self._event("response.mcp_call.failed" if error else "response.mcp_call.completed", item)
+        self._done(item)
+
+    def mcp_done_call(self, item: dict[str, Any]) -> None:
+        """An mcp_call made outside the model's reply (an approved request run): added whole."""
+        self._add(item)
+        self._event("response.mcp_call.in_progress", item)
+        self._event("response.mcp_call_arguments.done", item, arguments=item["arguments"])
+        self._event("response.mcp_call.failed" if item.get("error") else "response.mcp_call.completed", item)
+        self._done(item)
+
+    def next_step(self) -> None:
+        """The model replies again after its calls ran: the parser's call indexes start over."""
+        self._calls.clear()
+        self._args.clear()
+        self._inputs.clear()
 
     # -- the end ---------------------------------------------------------------------------
     def finish(self, status: str = "completed") -> None:

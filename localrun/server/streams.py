@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
@@ -83,6 +83,8 @@ class ServerConfig:
     aliases: tuple[tuple[str, str], ...] = ()
     media_dir: str | None = None  # `serve --media-dir`: where OpenAI file:// image URLs may point
     allow_fetch: bool = False  # `serve --allow-fetch`: OpenAI image URLs over http(s) are fetched
+    # `serve --mcp FILE`: the MCP servers (a ToolServers) whose tools the Responses API's mcp tools use
+    mcp: Any = field(default=None, compare=False)
     log: Callable[[RequestRecord], None] = field(default=_stderr_log, compare=False)
 
     @property
@@ -294,11 +296,17 @@ def start_run(request: HttpRequest, target: Target, jobs: list[Job], keep_alive:
     return Run([worker(job) for job in jobs], request, display_name(target.model.name))
 
 
+class Settles(Protocol):
+    """What a streamed answer ends: a Run, or a response's several runs (Responses' MCP steps)."""
+
+    async def settle(self) -> None: ...
+
+
 class RunResponse(StreamingResponse):
     """A streamed answer whose run is cancelled when the response ends for any reason (the
     client disconnected, the server is stopping), not only when its generator is finalized."""
 
-    def __init__(self, content: AsyncIterator[bytes], run: Run, media_type: str) -> None:
+    def __init__(self, content: AsyncIterator[bytes], run: Settles, media_type: str) -> None:
         super().__init__(content, media_type=media_type)
         if media_type == "text/event-stream":
             self.headers["Cache-Control"] = "no-cache"
