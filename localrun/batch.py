@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from localrun import settings
 from localrun.backends.base import Cancel, RowResult, Session
@@ -30,6 +30,7 @@ from localrun.system import disk_full
 if TYPE_CHECKING:
     from localrun.adapters import Target
     from localrun.constraint import Constraint
+    from localrun.tool_loop import ToolLoop
     from localrun.tools import ToolPlan
 
 FORMATS = ("jsonl", "csv")
@@ -91,6 +92,7 @@ class Record(TypedDict, total=False):
     thinking_tokens: int
     drafted_tokens: int  # speculative decoding (--draft): tokens drafted, and kept
     accepted_tokens: int
+    tool_uses: list[dict[str, Any]]  # the MCP calls the row's model made (batch --mcp)
 
 
 @dataclass(frozen=True)
@@ -527,3 +529,81 @@ def run_rows(session: Session, rows: list[BatchRow], params: GenerationParams, c
         else:
             completion = max(completion, event.completion_tokens)
             tick(prompt, completion)
+
+
+def run_rows_with_tools(session: Session, rows: list[BatchRow], params: GenerationParams, loop: ToolLoop,
+                        plan_for: Callable[[str], ToolPlan], choice: str = "auto", cancel: Cancel | None = None,
+                        progress: Callable[[Progress], None] | None = None) -> Generator[Record, None, None]:
+    """Rows whose model may call MCP tools: every row replies at once (one generate_many per
+    round); the calls of a round run as their rows finish, and those rows reply again with the
+    results, until each answers or reaches the loop's step limit. Each record lists its calls
+    (`tool_uses`). `plan_for(choice)` gives the tools held to a step's choice."""
+    import dataclasses
+
+    from localrun.chat import Message
+
+    t0 = time.perf_counter()
+    done = prompt = completion = 0
+    total = len(rows)
+
+    def tick() -> None:
+        if progress is not None:
+            progress(Progress(done, total, prompt, completion, time.perf_counter() - t0))
+
+    for r in rows:
+        if r.error is not None:
+            done += 1
+            yield {"id": r.id, "error": r.error}
+    tick()
+    state: dict[str, dict[str, Any]] = {
+        key(r.id): {"row": r, "messages": list(r.request.messages), "uses": [], "step": 0, "tokens": [0, 0]}
+        for r in rows if r.request is not None}
+    active = list(state)
+    while active and not (cancel is not None and cancel.is_set()):
+        jobs = []
+        plans: dict[str, ToolPlan] = {}
+        for k in active:
+            s = state[k]
+            step_choice = "none" if s["step"] >= loop.max_steps else (choice if s["step"] == 0 else "auto")
+            plan = plans[k] = plan_for(step_choice)
+            request = dataclasses.replace(plan.request(s["messages"]), think=s["row"].request.think)
+            grammar = plan.constraint()
+            base = s["row"].params or params
+            step_params = dataclasses.replace(base, grammar=grammar[0] if grammar else None,
+                                              grammar_trigger=grammar[1] if grammar else None)
+            jobs.append((s["row"].id, request, step_params))
+        again: list[str] = []
+        for event in session.generate_many(jobs, cancel):
+            if not isinstance(event, RowResult):
+                continue
+            k = key(event.id)
+            s = state[k]
+            rec = _record(event)
+            if "error" in rec:
+                done += 1
+                yield {"id": s["row"].id, "error": f"line {s['row'].line}: {rec['error']}",
+                       "tool_uses": [u.to_dict() for u in s["uses"]]}
+                tick()
+                continue
+            s["tokens"][0] += rec.get("prompt_tokens", 0)
+            s["tokens"][1] += rec.get("completion_tokens", 0)
+            plan = plans[k]
+            content, calls = plan.format.parse(event.text)
+            if calls and plan.choice != "none":
+                s["step"] += 1
+                s["messages"].append(Message("assistant", content, tuple(c.to_template() for c in calls),
+                                             thinking=event.thinking))
+                for call in calls:
+                    use = loop.use(call)
+                    s["uses"].append(use)
+                    s["messages"].append(Message("tool", use.result, tool_call_id=call.id, name=call.name))
+                again.append(k)
+                continue
+            done += 1
+            prompt += s["tokens"][0]
+            completion += s["tokens"][1]
+            out = {**rec, "text": content, "prompt_tokens": s["tokens"][0], "completion_tokens": s["tokens"][1],
+                   "tool_uses": [u.to_dict() for u in s["uses"]]}
+            yield cast(Record, out)
+            tick()
+        active = again

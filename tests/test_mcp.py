@@ -371,3 +371,23 @@ def test_status_of_the_real_git_server_through_run(tmp_path: Path, starter: Path
         assert use["result"].startswith("Error executing tool git_status") and str(repo) in use["result"], use
     else:
         assert "notes.txt" in use["result"], use
+
+
+def test_batch_rows_call_tools_only_when_allowed(tmp_path: Path, starter: Path) -> None:
+    cfg = write_config(tmp_path / "mcp.json", {"t": stdio_test_server()})
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"id": p, "prompt": f"What is the codeword of project {p}?"})
+                              for p in ("Falcon", "Heron", "Osprey")) + "\n")
+    out = tmp_path / "out.jsonl"
+    refused = run_cli("batch", "smollm2:135m", "-i", str(rows), "-o", str(out), "--mcp", str(cfg))
+    assert refused.returncode == 2 and "batch runs no tool unasked" in refused.stderr and not out.exists()
+    ran = run_cli("batch", "smollm2:135m", "-i", str(rows), "-o", str(out), "--mcp", str(cfg), "--allow-tools",
+                  "codeword", "--tool-choice", "codeword", "--max-tool-steps", "1", "--temperature", "0",
+                  "--parallel", "3")
+    assert ran.returncode == 0, ran.stderr
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"Falcon", "Heron", "Osprey"}
+    for r in records.values():
+        use = r["tool_uses"][0]
+        assert use["tool"] == "codeword" and use["allowed"] and isinstance(use["arguments"]["project"], str), r
+        assert use["result"].startswith("The codeword of") and "PELICAN-" in r["text"], r

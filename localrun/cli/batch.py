@@ -14,6 +14,7 @@ from localrun.cli.options import (
     add_constraint_flags,
     add_generation_flags,
     add_load_flags,
+    add_mcp_flags,
     add_thinking_flags,
     add_tool_flags,
     check_think,
@@ -22,12 +23,14 @@ from localrun.cli.options import (
     load_options_from_args,
     target_from_args,
     think_from_args,
+    tool_choice_arg,
     tool_plan_from_args,
 )
 
 if TYPE_CHECKING:
     from localrun.batch import Progress, Record
     from localrun.cluster import Summary
+    from localrun.tools import ToolPlan
 
 DEFAULT_PARALLEL = 16
 
@@ -51,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_thinking_flags(p, hide=False)
     add_constraint_flags(p, format_flag=False)
     add_tool_flags(p)
+    add_mcp_flags(p)
     add_load_flags(p)
     r = p.add_argument_group("on a Ray cluster (pip install 'localrun[ray]')")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -85,7 +89,18 @@ def cmd_batch(args: argparse.Namespace) -> int:
     options = load_options_from_args(args, n_parallel=args.parallel)
     target, engine = target_from_args(args)
     model = target.model
-    plan = tool_plan_from_args(args, model)
+    if args.mcp and args.no_mcp:
+        raise UsageError("--mcp and --no-mcp say opposite things", "keep one")
+    if args.mcp:  # batch uses MCP servers only when named: a script's runs do not change with a config
+        if args.tools is not None or args.raw or args.ray is not None:
+            raise UsageError("--mcp runs the rows' tool calls here, on chat rows",
+                             "drop --tools, --raw and --ray, or drop --mcp")
+        if not args.allow_tools.strip():
+            raise UsageError("batch runs no tool unasked: name the tools its rows may call",
+                             "add --allow-tools NAME,... (a tool, SERVER/NAME, a server) or --allow-tools all")
+    elif args.tool_choice is not None and args.tools is None:
+        raise UsageError("--tool-choice needs --tools or --mcp")
+    plan = None if args.mcp else tool_plan_from_args(args, model)
     settle = batching.settle(settings.from_args(args), target, engine, constraint_from_args(args), plan)
     params = settle({}, None)
     options = target.load_options(options, engine)
@@ -111,9 +126,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
         rows = [dataclasses.replace(r, request=target.request(r.request)) if r.request is not None else r for r in rows]
     if args.ctx is None:  # just what the rows can use (the model's own context at most)
         limit = api.default_context(model, options).tokens
-        options = dataclasses.replace(options, n_ctx=batching.sequence_length(rows, params, limit))
+        # rows with MCP tools grow by the tools' descriptions and results: the model's context
+        n_ctx = limit if args.mcp else batching.sequence_length(rows, params, limit)
+        options = dataclasses.replace(options, n_ctx=n_ctx)
     cancel = threading.Event()
     summary: Summary | None = None
+    servers: Any = None
     if args.ray is not None:
         summary = api.cluster_summary()
         records = api.batch_on_cluster(
@@ -122,6 +140,26 @@ def cmd_batch(args: argparse.Namespace) -> int:
             model_path=args.model_path, cancel=cancel, progress=report.progress, summary=summary,
             notice=lambda line: print(f"localrun batch: {line}", file=sys.stderr, flush=True))
         session = None
+    elif args.mcp:
+        session = api.load(model, options, engine=engine)
+        servers = api.mcp_servers(args.mcp)
+        loop = api.tool_loop(servers, args.allow_tools.split(","), max_steps=args.max_tool_steps)
+        for server, why in servers.failures.items():
+            print(f"localrun batch: MCP server '{server}' is not available: {why}; going on without its tools",
+                  file=sys.stderr, flush=True)
+
+        def plan_for(choice: str) -> ToolPlan:
+            from localrun.tools import ToolPlan as Plan
+
+            step = Plan.make(api.chat_template(model), loop.functions(), tool_choice_arg(choice))
+            assert step is not None
+            return step
+
+        if not loop.tools:
+            print("localrun batch: no MCP tools are available; the rows are answered without them", file=sys.stderr)
+        records = batching.run_rows_with_tools(session, rows, params, loop, plan_for,
+                                               (args.tool_choice or "auto") if loop.tools else "none",
+                                               cancel=cancel, progress=report.progress)
     else:
         session = api.load(model, options, engine=engine)
         records = api.batch(session, rows, params, cancel=cancel, progress=report.progress)
@@ -140,6 +178,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         report.close()
         if session is not None:
             session.close()
+        if servers is not None:
+            servers.close()
     if summary is not None:
         for a in summary.actors:
             state = f", died: {a['error']}" if a["error"] else ""
