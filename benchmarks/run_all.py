@@ -8,7 +8,7 @@ from pathlib import Path
 
 BENCHES = ["bench_run.py", "bench_batch.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py", "bench_tui.py",
            "bench_serve.py", "bench_agents.py", "bench_structured.py", "bench_workbench.py", "bench_lora.py",
-           "rerank_agreement.py"]
+           "rerank_agreement.py", "bench_tool_loop.py"]
 
 
 def main() -> int:

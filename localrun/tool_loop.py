@@ -105,20 +105,35 @@ class Outcome:
 Generate = Callable[[list[dict[str, Any]], str], Reply]
 
 
-def check_arguments(tool: ServerTool, arguments: Any) -> str | None:
-    """Why these arguments do not fit the tool's input schema (None: they fit)."""
+_VALIDATORS: dict[str, Any] = {}  # a schema's JSON -> its checked, compiled validator (or None: a bad schema)
+
+
+def _validator(schema: dict[str, Any]) -> Any:
     import jsonschema
 
+    text = json.dumps(schema, sort_keys=True)
+    if text not in _VALIDATORS:
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+            _VALIDATORS[text] = cls(schema)
+        except jsonschema.SchemaError:
+            _VALIDATORS[text] = None  # the server's schema is its own business; the server checks its input
+    return _VALIDATORS[text]
+
+
+def check_arguments(tool: ServerTool, arguments: Any) -> str | None:
+    """Why these arguments do not fit the tool's input schema (None: they fit)."""
     if not isinstance(arguments, dict):
         return "the arguments must be a JSON object"
-    try:
-        jsonschema.validate(arguments, tool.schema)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        return f"invalid arguments{f' at {where}' if where else ''}: {e.message}"
-    except jsonschema.SchemaError:
-        return None  # the server's schema is its own business; the server checks its input
-    return None
+    validator = _validator(tool.schema)
+    if validator is None:
+        return None
+    error = next(iter(sorted(validator.iter_errors(arguments), key=lambda e: e.path)), None)
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"invalid arguments{f' at {where}' if where else ''}: {error.message}"
 
 
 class ToolLoop:
