@@ -113,12 +113,7 @@ def _sentencepiece(
             "tokenizer.model needs the sentencepiece package", "pip install 'localrun[convert]'"
         ) from e
     path = folder / "tokenizer.model"
-    raw = path.read_bytes()
-    proto = pb.ModelProto()  # type: ignore[attr-defined]
-    try:
-        proto.ParseFromString(raw)
-    except Exception as e:  # protobuf's DecodeError
-        raise ConvertError(f"{path} is not a SentencePiece model: {e}") from e
+    raw, proto = _sp_model(path)
     if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:  # type: ignore[attr-defined]
         kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)  # type: ignore[attr-defined]
         raise ConvertError(
@@ -147,6 +142,19 @@ def _sentencepiece(
     _apply_added(tokens, types, scores, extra + config_added, spm=True)
     norm = proto.normalizer_spec
     return tokens, types, scores, bool(norm.add_dummy_prefix), bool(norm.remove_extra_whitespaces)
+
+
+def _sp_model(path: Path) -> tuple[bytes, Any]:
+    """A SentencePiece model file's bytes and its parsed ModelProto."""
+    from sentencepiece import sentencepiece_model_pb2 as pb  # type: ignore[attr-defined]
+
+    raw = path.read_bytes()
+    proto = pb.ModelProto()  # type: ignore[attr-defined]
+    try:
+        proto.ParseFromString(raw)
+    except Exception as e:  # protobuf's DecodeError
+        raise ConvertError(f"{path} is not a SentencePiece model: {e}") from e
+    return raw, proto
 
 
 def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]]:
@@ -302,12 +310,7 @@ def xlmr_unigram(folder: Path, n_vocab: int | None, type_count: int = 1) -> Voca
     if not path.is_file():
         raise ConvertError(f"{folder} has no sentencepiece.bpe.model",
                            "add the model's sentencepiece.bpe.model (XLM-RoBERTa's tokenizer) from the original model")
-    raw = path.read_bytes()
-    proto = pb.ModelProto()  # type: ignore[attr-defined]
-    try:
-        proto.ParseFromString(raw)
-    except Exception as e:  # protobuf's DecodeError
-        raise ConvertError(f"{path} is not a SentencePiece model: {e}") from e
+    raw, proto = _sp_model(path)
     if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM:  # type: ignore[attr-defined]
         raise ConvertError(f"{path} is not a SentencePiece Unigram model", "XLM-RoBERTa's tokenizer is Unigram")
     sp = SentencePieceProcessor(model_proto=raw)

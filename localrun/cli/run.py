@@ -250,6 +250,18 @@ def _print_stats(chunk: Chunk) -> None:
     )
 
 
+def _typed() -> str | None:
+    """A line typed at the chat's prompt, stripped: None for Ctrl-D (leave), "" for Ctrl-C."""
+    try:
+        return input(">>> ").strip()
+    except EOFError:
+        print(file=sys.stderr)
+        return None
+    except KeyboardInterrupt:
+        print("^C (Ctrl-D leaves)", file=sys.stderr)
+        return ""
+
+
 def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
                  think: bool | str | None, prepare: Callable[[Request], Request], images: list[bytes]) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves. Each reply's
@@ -273,15 +285,9 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
     err = sys.stderr
     print(f"Chatting with {name}. Ctrl-C stops a reply, Ctrl-D leaves. /help for commands.", file=err)
     while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            print(file=err)
+        text = _typed()
+        if text is None:
             return 0
-        except KeyboardInterrupt:
-            print("^C (Ctrl-D leaves)", file=err)
-            continue
-        text = line.strip()
         if not text:
             continue
         pasted = imagefiles.pasted_image(text)  # a line that is one image file's path (dropped or pasted) attaches it
@@ -497,14 +503,9 @@ def _with_tools(session: Session, name: str, args: argparse.Namespace, tools: _T
     print(f"Chatting with {name}, with tools. Ctrl-C stops a reply, Ctrl-D leaves. /clear forgets, /tools lists them.",
           file=err)
     while True:
-        try:
-            text = input(">>> ").strip()
-        except EOFError:
-            print(file=err)
+        text = _typed()
+        if text is None:
             return 0
-        except KeyboardInterrupt:
-            print("^C (Ctrl-D leaves)", file=err)
-            continue
         if not text:
             continue
         if text in ("/bye", "/exit", "/quit"):

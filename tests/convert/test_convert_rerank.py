@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,6 +99,23 @@ def bge(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return folder, model, tok
 
 
+def assert_ranks(path: Path, want: list[float], gap: float) -> Any:
+    """localrun's scores of the documents on a converted file: within 1e-3 of the reference's (in
+    F32), in the same order, which `gap` between the reference's scores makes worth checking."""
+    from localrun import api
+    from localrun.settings import LoadOptions
+
+    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1:]) > gap  # an order to check
+    session = api.load(str(path), LoadOptions(n_ctx=512))
+    try:
+        got = session.rerank(QUERY, DOCS)
+    finally:
+        session.close()
+    assert np.allclose(got.scores, want, atol=1e-3), (got.scores, want)
+    assert np.argsort(got.scores).tolist() == np.argsort(want).tolist()
+    return got
+
+
 def cross_encoder_scores(model, tok) -> list[float]:  # noqa: ANN001
     """transformers' cross-encoder score of each pair: the classification head's logit."""
     import torch
@@ -107,22 +125,13 @@ def cross_encoder_scores(model, tok) -> list[float]:  # noqa: ANN001
 
 
 def test_bge_reranker_scores_equal_transformers(bge, tmp_path: Path) -> None:  # noqa: ANN001
-    from localrun import api
-    from localrun.settings import LoadOptions
 
     folder, model, tok = bge
     path = convert.convert(folder, tmp_path / "b.gguf", outtype="f32").path
     keys = model_keys(gguf_reader(path))
     assert keys["bert.pooling_type"] == 4 and keys["bert.classifier.output_labels"] == ["LABEL_0"]
     want = cross_encoder_scores(model, tok)
-    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1:]) > 2e-3  # an order 1e-3 cannot flip
-    session = api.load(str(path), LoadOptions(n_ctx=512))
-    try:
-        got = session.rerank(QUERY, DOCS)
-    finally:
-        session.close()
-    assert np.allclose(got.scores, want, atol=1e-3), (got.scores, want)
-    assert np.argsort(got.scores).tolist() == np.argsort(want).tolist()
+    got = assert_ranks(path, want, gap=2e-3)  # an order 1e-3 cannot flip
     # <s> query </s></s> document </s>: the pair as the tokenizer writes it
     assert got.prompt_tokens == sum(len(tok(QUERY, d)["input_ids"]) for d in DOCS)
 
@@ -176,22 +185,13 @@ def card_scores(model, tok) -> list[float]:  # noqa: ANN001
 
 
 def test_qwen3_reranker_scores_equal_transformers(reranker, tmp_path: Path) -> None:  # noqa: ANN001
-    from localrun import api
-    from localrun.settings import LoadOptions
 
     folder, model, tok = reranker
     path = convert.convert(folder, tmp_path / "r.gguf", outtype="f32").path
     keys = model_keys(gguf_reader(path))
     assert keys["qwen3.pooling_type"] == 4 and keys["qwen3.classifier.output_labels"] == ["yes", "no"]
     want = card_scores(model, tok)
-    assert min(abs(a - b) for i, a in enumerate(want) for b in want[i + 1:]) > 5e-3  # an order to check
-    session = api.load(str(path), LoadOptions(n_ctx=512))
-    try:
-        got = session.rerank(QUERY, DOCS)
-    finally:
-        session.close()
-    assert np.allclose(got.scores, want, atol=1e-3), (got.scores, want)
-    assert np.argsort(got.scores).tolist() == np.argsort(want).tolist()
+    got = assert_ranks(path, want, gap=5e-3)
     assert got.prompt_tokens == sum(len(tok(f"{PREFIX}<Instruct>: {INSTRUCT}\n<Query>: {QUERY}\n<Document>: "
                                             f"{d}{SUFFIX}", add_special_tokens=False)["input_ids"]) for d in DOCS)
 
