@@ -39,6 +39,23 @@ def _state(out: Path) -> Ladder | None:
         return None
 
 
+def _stopped(pid: int) -> bool:
+    """Wait until the kernel says the process is stopped (state T in /proc/PID/stat): a signal is
+    delivered later than kill() returns, and the ladder may still write until then. False when
+    the process has ended instead."""
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        state = stat[stat.rindex(")") + 2]  # the field after the command's name, which may hold spaces
+        if state in "Tt":
+            return True
+        if state in "ZX":
+            return False
+        time.sleep(0.001)
+
+
 def _kill_between_rungs(cmd: list[str], out: Path, n_rungs: int, log: Path) -> Ladder:
     """Start the ladder and SIGKILL it once ladder.json lists a finished rung but not every rung.
 
@@ -50,6 +67,8 @@ def _kill_between_rungs(cmd: list[str], out: Path, n_rungs: int, log: Path) -> L
         try:
             while proc.poll() is None:
                 os.kill(proc.pid, signal.SIGSTOP)
+                if not _stopped(proc.pid):  # it ended on its own meanwhile
+                    continue
                 state = _state(out)
                 if state is not None and 0 < len(state.rungs) < n_rungs:
                     os.kill(proc.pid, signal.SIGKILL)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from localrun import api
+from localrun.backends.base import Session
 from localrun.backends.drafting import TRIAL_NGRAM, DraftControl, DraftRecord, PromptLookup, lookup
 from localrun.generation import Request
 from localrun.settings import GenerationParams, LoadOptions
@@ -238,8 +239,21 @@ def test_sampled_replies_follow_the_models_distribution(stories: Path) -> None:
             assert _homogeneity(plain, drafted) > 1e-3, drafter
         colder, _ = sample(300_000, 0.6, None)
         assert _homogeneity(plain, colder) < 1e-4
+        # The mutant that keeps every draft (no check against the model's own sample) replies with
+        # the lookup's proposal each time: the test must tell it apart
+        mutant = [_lookup_reply(s, stories, request, 4)] * 1000
+        assert _homogeneity(plain, mutant) < 1e-4, mutant[0]
     finally:
         s.close()
+
+
+def _lookup_reply(session: Session, model: Path, request: Request, n: int) -> str:
+    """The reply of an engine that accepted every draft: the prompt lookup's first n tokens."""
+    from llama_cpp import Llama
+
+    draft = PromptLookup(session.tokenize(request)).draft(n)
+    assert len(draft) == n  # the story repeats: the lookup proposes a whole reply
+    return Llama(str(model), vocab_only=True, verbose=False).detokenize(draft).decode("utf-8", "replace")
 
 
 def test_parallel_streams_draft_in_one_batch(session: object) -> None:
