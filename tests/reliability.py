@@ -41,7 +41,11 @@ INPUTS = {
     "batch row": "batch inputs (one row, a set of lines, an input file)",
     "server request": "server requests (every endpoint from its OpenAPI schema, malformed bodies)",
     "chat template": "chat templates (injection payloads, endless loops, huge strings)",
-    "soak request": "soak requests from 64 concurrent clients",
+}
+LOAD = {  # kind: (what was sent, what every one showed) - well-formed requests, not bad input
+    "soak request": ("well-formed requests from 64 concurrent clients (the soak: chat, completions, embeddings, "
+                     "streamed or not)", "answered, or refused with a 503 in its API's shape when the queue was "
+                                         "full; none hung, no 500"),
 }
 
 
@@ -66,8 +70,9 @@ def fault(kind: str, where: str, n: int = 1) -> None:
 
 
 def inputs(kind: str, n: int = 1) -> None:
-    """n bad inputs of `kind` were tried and each was answered (a clear error, no crash)."""
-    assert kind in INPUTS, kind
+    """n bad inputs of `kind` were tried and each was answered (a clear error, no crash); or, for
+    a kind of LOAD, n well-formed requests under load were each answered or refused cleanly."""
+    assert kind in INPUTS or kind in LOAD, kind
     TALLY.inputs[kind] += n
 
 
@@ -88,6 +93,9 @@ def table(t: Tally = TALLY) -> str:
     for kind, what in INPUTS.items():
         n = t.inputs[kind]
         lines.append(f"| Bad input: {what} | {n} | all {n} answered: accepted, or a clear error; no crash, no 500 |")
+    for kind, (what, outcome) in LOAD.items():
+        n = t.inputs[kind]
+        lines.append(f"| Load: {what} | {n} | all {n} {outcome} |")
     lines.append(f"| Rows of {t.interruptions} batches interrupted and resumed | {t.rows_total} |"
                  f" rows lost: {t.rows_lost} |")
     return "\n".join(lines)
@@ -95,7 +103,7 @@ def table(t: Tally = TALLY) -> str:
 
 def missing(t: Tally = TALLY) -> list[str]:
     """The rows no test recorded (a partial run)."""
-    gone = [k for k in FAULTS if not t.faults[k]] + [k for k in INPUTS if not t.inputs[k]]
+    gone = [k for k in FAULTS if not t.faults[k]] + [k for k in (*INPUTS, *LOAD) if not t.inputs[k]]
     return gone + ([] if t.interruptions else ["interrupted batch"])
 
 

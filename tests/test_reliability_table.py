@@ -12,7 +12,7 @@ def _tally() -> Tally:
     for kind in reliability.FAULTS:
         t.faults[kind] += 2
         t.places[kind].update({"b place", "a place"})
-    for kind in reliability.INPUTS:
+    for kind in (*reliability.INPUTS, *reliability.LOAD):
         t.inputs[kind] += 7
     t.rows_total, t.rows_lost, t.interruptions = 40, 0, 3
     return t
@@ -27,13 +27,14 @@ def test_the_table_comes_from_the_counts() -> None:
     t = _tally()
     table = reliability.table(t)
     rows = table.splitlines()[2:]
-    assert len(rows) == len(reliability.FAULTS) + len(reliability.INPUTS) + 1
+    assert len(rows) == len(reliability.FAULTS) + len(reliability.INPUTS) + len(reliability.LOAD) + 1
     assert all(r.startswith("| ") and r.endswith(" |") and r.count(" | ") == 2 for r in rows)
     assert "(a place, b place) | 2 | all 2: " in table
     assert "| 7 | all 7 answered" in table
     assert "| Rows of 3 batches interrupted and resumed | 40 | rows lost: 0 |" in table
     assert reliability.missing(t) == []
-    assert set(reliability.missing(Tally())) >= set(reliability.FAULTS) | set(reliability.INPUTS)
+    assert set(reliability.missing(Tally())) >= set(reliability.FAULTS) | set(reliability.INPUTS) | set(reliability.LOAD)
+    assert "| Load: well-formed requests" in table and "Bad input: soak" not in table
 
 
 def test_only_the_section_is_rewritten() -> None:

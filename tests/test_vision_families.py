@@ -233,9 +233,10 @@ def hf_greedy(fam: Family, input_ids: Any, args: dict[str, Any], n: int) -> tupl
 
 def test_image_embeddings_first_log_probs_and_greedy_replies_agree_with_transformers(family: Family,
                                                                                      tmp_path: Path) -> None:
-    """F32: each image run's embeddings within 1e-3 of transformers' (SmolVLM: each tile and the
-    overview), the first token's top 5 in the same order and within 0.05 in log-probability, the
-    same greedy reply; another image gives another reply (the image is in use)."""
+    """F32: each image run's embeddings within 6e-4 of transformers' (SmolVLM: each tile and the
+    overview; measured: at most 3.5e-4), the first token's top 5 in the same order and within
+    0.006 in log-probability (measured: at most 0.0032), the same greedy reply; another image
+    gives another reply (the image is in use)."""
     import torch
 
     eng = engine_side(family.f32, family.image)
@@ -246,13 +247,13 @@ def test_image_embeddings_first_log_probs_and_greedy_replies_agree_with_transfor
     runs = np.split(want, np.cumsum([len(e) for e in eng.embeddings])[:-1])
     rel = [float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(eng.embeddings, runs, strict=True)]
     print(family.name, "image embeddings: relative difference of each run", rel)
-    assert max(rel) < 1e-3
+    assert max(rel) < 6e-4
     first, tokens = hf_greedy(family, input_ids, args, N)
     top = torch.topk(first, 5)
     assert [bytes(t.bytes) for t in eng.first.top] == [token_bytes(family.tok, int(i)) for i in top.indices]
     diff = float(np.abs(np.array([t.logprob for t in eng.first.top]) - top.values.numpy()).max())
     print(family.name, "first token's top-5 log-probabilities: largest difference", diff)
-    assert diff < 0.05
+    assert diff < 0.006
     assert eng.reply == [token_bytes(family.tok, t) for t in tokens]
     width, height = FAMILIES[family.name][1]
     other = engine_side(family.f32, test_image(tmp_path / "other.png", width, height, seed=4), embeddings=False)
