@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["bench_run.py", "bench_batch.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py", "bench_tui.py",
-           "bench_serve.py", "bench_agents.py", "bench_structured.py", "bench_workbench.py", "bench_lora.py",
-           "rerank_agreement.py", "bench_tool_loop.py"]
+BENCHES = ["bench_run.py", "bench_batch.py", "bench_ray.py", "bench_convert.py", "bench_pull.py", "bench_mlx.py",
+           "bench_tui.py", "bench_serve.py", "bench_agents.py", "bench_structured.py", "bench_thinking.py",
+           "bench_speculative.py", "bench_speculative_mlx.py", "bench_vision.py", "bench_workbench.py",
+           "fit_vs_llama.py", "bench_lora.py", "rerank_agreement.py", "bench_tool_loop.py"]
+# bench_workbench.py runs workbench_speed, workbench_eval and workbench_imatrix; llama_tools.py builds
+# the llama.cpp tools the others compare with.
 
 
 def main() -> int:

@@ -114,3 +114,19 @@ def test_in_process_api_returns_records(starter: Path) -> None:
                                   n_threads=(1,), repetitions=1, warmup=False))
     assert [(r.case.model, r.test, len(r.samples_ns)) for r in records] == [("starter", "pp8", 1), ("starter", "tg2", 1)]
     assert all(r.avg_ts > 0 and r.stddev_ts == 0 for r in records)
+
+
+def test_run_all_runs_every_benchmark() -> None:
+    """`make bench` (benchmarks/run_all.py) runs every benchmark script of the folder: those listed,
+    and the workbench's parts through bench_workbench.py; the README quotes their figures."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    tree = ast.parse((folder / "run_all.py").read_text())
+    listed = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "BENCHES" for t in n.targets))
+    through_workbench = {p.name for p in folder.glob("workbench_*.py")}
+    helpers = {"run_all.py", "llama_tools.py"}
+    scripts = {p.name for p in folder.glob("*.py")}
+    assert scripts - helpers - through_workbench == set(listed)
+    assert "bench_workbench.py" in listed and all((folder / name).exists() for name in listed)
