@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_serve import count_tokens  # noqa: E402  (tokens counted on the client's side)
+
 TEXT = ("The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the weather in his log: "
         "wind from the west, a grey sea, two ships passing north before the rain. In the morning he walked "
         "along the shore, gathered driftwood for the stove, and mended the net that the storm had torn. "
@@ -176,6 +178,9 @@ def servers(args: argparse.Namespace, target: Path, draft: Path, home: Path, log
             **{name: (llama(extra, name), (name.split(" ")[1] if " " in name else None,)) for name, extra in modes.items()}}
 
 
+TARGET_FILE: list[Path] = []  # the target GGUF (set by main): its vocabulary counts the replies
+
+
 def request(url: str, prompt: str, tokens: int, speculative: str | None, localrun: bool) -> dict[str, Any]:
     import httpx
 
@@ -191,7 +196,9 @@ def request(url: str, prompt: str, tokens: int, speculative: str | None, localru
     usage = data.get("usage") or {}
     details = usage.get("completion_tokens_details") or {}
     timings = data.get("timings") or {}
-    return {"text": data["choices"][0]["message"]["content"], "tokens": usage.get("completion_tokens", 0),
+    text = data["choices"][0]["message"]["content"]
+    # tokens counted on the client's side, by the model's own vocabulary, the same for every server
+    return {"text": text, "tokens": count_tokens(str(TARGET_FILE[0]), text), "server_tokens": usage.get("completion_tokens"),
             "wall": wall, "accepted": details.get("accepted_prediction_tokens") or timings.get("draft_n_accepted", 0),
             "drafted": (details.get("accepted_prediction_tokens", 0) + details.get("rejected_prediction_tokens", 0))
             if details else timings.get("draft_n", 0)}
@@ -218,6 +225,7 @@ def main() -> int:
     p.add_argument("--json", help="write the medians here")
     args = p.parse_args()
     target, draft = prepare(args)
+    TARGET_FILE[:] = [target]
     work = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     home, logs = work / "home", work / "logs"
     logs.mkdir(parents=True)
@@ -248,7 +256,7 @@ def main() -> int:
                                 plain_texts = res["texts"]
                             elif plain_texts is not None and res["texts"] != plain_texts:
                                 differ += 1
-                                log(f"note: {name} {task} {d}: the reply differs from the one without drafts")
+                                log(f"error: {name} {task} {d}: the greedy reply differs from the one without drafts")
             log(f"round {r + 1}/{args.rounds} done")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -267,7 +275,8 @@ def main() -> int:
                   f"{ls / ss:>9.2f} {f'{ac}/{dr}':>24}")
             report["medians"][f"{task}/{d}"] = {"localrun": lp, "localrun_drafts": ls, "llama_server": sp,
                                                 "llama_server_drafts": ss, "accepted": ac, "drafted": dr}
-    print(f"replies that differed from the same server's without drafts: {differ}")
+    print(f"greedy replies that differed from the same server's without drafts: {differ} (each is a failure: "
+          "a kept draft must be the token the model itself picks)")
     failed = 0
     for task, d, against, want in TARGETS:
         ls = med[task, "localrun", d]
@@ -279,7 +288,7 @@ def main() -> int:
         report["targets"].append({"task": task, "drafter": d, "against": against, "ratio": ratio, "target": want})
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    return 1 if failed else 0
+    return 1 if failed or differ else 0
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_serve import count_tokens  # noqa: E402  (tokens counted on the client's side)
 from bench_speculative import Server, free_port  # noqa: E402  (the same server lifecycle)
 
 RECIPE = 1  # bump when the model below changes: it names the cache folder
@@ -202,6 +203,9 @@ def user_turn(image: Path, text: str) -> dict[str, Any]:
                                         {"type": "text", "text": text}]}
 
 
+MODEL_FILE: list[Path] = []  # the GGUF every server runs (set by main): its vocabulary counts the replies
+
+
 def chat(url: str, messages: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     """One streamed chat completion: send time, first and last content times, text, completion tokens."""
     import httpx
@@ -227,9 +231,11 @@ def chat(url: str, messages: list[dict[str, Any]], tokens: int) -> dict[str, Any
                     first = first or time.perf_counter()
                     parts.append(text)
     end = time.perf_counter()
-    return {"t0": t0, "ttft": (first or end) - t0, "end": end, "text": "".join(parts),
-            "tokens": usage.get("completion_tokens", len(parts)), "prompt_tokens": usage.get("prompt_tokens"),
-            "server_prompt_ms": timings.get("prompt_ms")}
+    text = "".join(parts)
+    # tokens counted on the client's side, by the model's own vocabulary, the same for every server
+    return {"t0": t0, "ttft": (first or end) - t0, "end": end, "text": text,
+            "tokens": count_tokens(str(MODEL_FILE[0]), text), "server_tokens": usage.get("completion_tokens"),
+            "prompt_tokens": usage.get("prompt_tokens"), "server_prompt_ms": timings.get("prompt_ms")}
 
 
 def conversation(url: str, image: Path, tokens: int) -> dict[str, Any]:
@@ -505,6 +511,7 @@ def main() -> int:
     if bool(args.model) != bool(args.mmproj):
         p.error("--model and --mmproj go together")
     model, mmproj, images = prepare(args)
+    MODEL_FILE[:] = [model]
     work = Path(tempfile.mkdtemp(prefix="bench-vision-"))
     logs = args.logs or work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
