@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from localrun.pool import Pool
     from localrun.presets import Preset
     from localrun.reasoning import ReasoningFormat
-    from localrun.tool_loop import Ask, ToolLoop, ToolUse
-    from localrun.tool_servers import ToolServers
-    from localrun.tools import ToolPlan
+    from localrun.tool_loop import Ask, Reply, ToolLoop, ToolUse
+    from localrun.tool_servers import ServerTool, ToolServers
+    from localrun.tools import ToolCall, ToolPlan
 
 
 def store() -> Store:
@@ -407,14 +407,33 @@ def mcp_servers(config: str | os.PathLike[str] | None = None) -> ToolServers:
 
 
 def tool_loop(servers: ToolServers, allowed: Sequence[str] = (), ask: Ask | None = None, *,
-              max_steps: int = 8, on_use: Callable[[ToolUse], None] | None = None) -> ToolLoop:
+              keep: Callable[[ServerTool], bool] | None = None, max_steps: int = 8,
+              on_use: Callable[[ToolUse], None] | None = None,
+              on_call: Callable[[ServerTool, dict[str, Any]], None] | None = None) -> ToolLoop:
     """A loop that runs a model's calls of the servers' tools (starting the servers): each call
     checked against its input schema, run only when `allowed` names it (a tool, SERVER/NAME, a
     server, or "all") or `ask` says so, its result fed back; `servers.failures` names the servers
-    that did not start."""
+    that did not start. `keep`: which tools the model is offered (default all; a call of another
+    is an unknown tool, never run); `on_call` before a call runs, `on_use` after each."""
     from localrun.tool_loop import Approvals, ToolLoop
 
-    return ToolLoop(servers, Approvals(allowed, ask), servers.tools(), max_steps=max_steps, on_use=on_use)
+    tools = [t for t in servers.tools() if keep is None or keep(t)]
+    return ToolLoop(servers, Approvals(allowed, ask), tools, max_steps=max_steps, on_use=on_use, on_call=on_call)
+
+
+def tool_choice(value: str | None) -> Any:
+    """A tool choice as a user names it (auto, required, none, or a tool's name) in the APIs' shape."""
+    if value is None or value in ("auto", "required", "none"):
+        return value
+    return {"type": "function", "function": {"name": value}}
+
+
+def tool_reply(text: str, calls: Sequence[ToolCall], final: Chunk | None = None, thinking: str = "") -> Reply:
+    """One reply of a tool loop's step, as a front end's generate() gives it back to the loop:
+    its text without the calls, the calls (`plan.format.parse(text)`), its last chunk, its thought."""
+    from localrun.tool_loop import Reply
+
+    return Reply(text, list(calls), final, thinking)
 
 
 def tool_step(target: Target, engine: str, messages: list[dict[str, Any]], functions: list[dict[str, Any]],

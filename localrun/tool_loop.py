@@ -19,6 +19,7 @@ from localrun.tool_servers import CallResult, ServerTool, ToolServers
 from localrun.tools import ToolCall
 
 MAX_STEPS = 8  # replies with calls before the model must answer
+REFUSED = "the user did not allow this call"  # what the model reads of a call nobody allowed
 
 Answer = Literal["once", "always", "no", "never"]
 
@@ -74,10 +75,11 @@ class ToolUse:
     allowed: bool
     seconds: float  # the tool's own time, on its server
     overhead_ms: float = 0.0  # from the call parsed to its result ready, without the tool's time or the user's
+    refused: bool = False  # the user (or --allow-tools) did not allow it: it never ran
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "server": self.server, "tool": self.tool, "arguments": self.arguments,
-                "result": self.result, "is_error": self.is_error, "allowed": self.allowed,
+                "result": self.result, "is_error": self.is_error, "allowed": self.allowed, "refused": self.refused,
                 "seconds": round(self.seconds, 4), "overhead_ms": round(self.overhead_ms, 3)}
 
 
@@ -196,7 +198,7 @@ class ToolLoop:
             waited = time.perf_counter() - asked
             if not allowed:
                 use = ToolUse(call.id, tool.server, tool.name, call.arguments,
-                              "the user did not allow this call", True, False, 0.0)
+                              REFUSED, True, False, 0.0, refused=True)
             else:
                 if self.on_call is not None:
                     self.on_call(tool, call.arguments)

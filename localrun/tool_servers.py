@@ -211,6 +211,7 @@ class ToolServers:
         self.failures: dict[str, str] = {}  # server -> why it is not available
         self._servers: dict[str, _Server] = {}
         self._lock = threading.Lock()
+        self._starting = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -236,11 +237,11 @@ class ToolServers:
     def start(self, names: list[str] | None = None) -> None:
         """Start the servers not yet started (all, or those named), together; a server that fails
         is recorded in `failures` and left out."""
-        wanted = [n for n in (names if names is not None else list(self.specs))
-                  if n in self.specs and n not in self._servers and n not in self.failures]
-        if not wanted:
-            return
-        self._run(self._start(wanted), None)
+        with self._starting:  # one start at a time (a chat's reply and its tools panel may both ask)
+            wanted = [n for n in (names if names is not None else list(self.specs))
+                      if n in self.specs and n not in self._servers and n not in self.failures]
+            if wanted:
+                self._run(self._start(wanted), None)
 
     async def _start(self, names: list[str]) -> None:
         fresh = [(name, _Server(self.specs[name], self.log_dir)) for name in names]

@@ -1,8 +1,10 @@
-"""The localrun Textual app: four screens (modes), a pool of loaded models, saved conversations."""
+"""The localrun Textual app: four screens (modes), a pool of loaded models, saved conversations,
+the MCP servers whose tools the chat may use."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from textual.app import App, SystemCommand
@@ -12,6 +14,7 @@ from textual.screen import Screen
 
 from localrun import api
 from localrun.settings import LoadOptions
+from tui.chat_tools import MAX_STEPS, ChatTools
 from tui.conversations import ConversationStore
 from tui.messages import ModelsChanged
 from tui.screens.chat import ChatScreen
@@ -55,12 +58,20 @@ class LocalrunApp(App[None]):
         model: str | None = None,
         conversations: ConversationStore | None = None,
         theme: str | None = None,
+        mcp: str | os.PathLike[str] | None = None,
+        use_mcp: bool = True,
+        allowed_tools: Sequence[str] = (),
+        max_tool_steps: int = MAX_STEPS,
+        tool_choice: str | None = None,
     ) -> None:
         super().__init__()
         self.model_warnings: set[tuple[str, str]] = set()  # (model, warning) already shown
         self.default_settings = dict(settings or {})  # a new chat's own settings: `tui`'s generation flags
         self.default_system = system
         self.initial_model = model
+        # MCP servers: localrun's own mcp.json or `tui --mcp FILE`; started on the first message with
+        # tools on, stopped when the app exits. A bad --mcp file is refused here, before the UI starts.
+        self.mcp = ChatTools(mcp, use_mcp, allowed_tools, max_tool_steps, tool_choice)
         # The TUI keeps the model it chats with loaded until another one is needed.
         self.models = api.model_pool(load_options, engine, max_loaded=1, keep_alive=-1)
         self.conversations = conversations or ConversationStore()
@@ -87,6 +98,8 @@ class LocalrunApp(App[None]):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     def on_mount(self) -> None:
+        if self.mcp.notice:
+            self.notify(self.mcp.notice, title="MCP", severity="warning", timeout=15)
         if self.initial_model:
             self.call_after_refresh(self.open_chat, self.initial_model)
 
@@ -112,7 +125,7 @@ class LocalrunApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(tools=self.mcp.configured))
 
     def action_toggle_theme(self) -> None:
         self.theme = LIGHT if self.theme == DARK else DARK
@@ -130,6 +143,7 @@ class LocalrunApp(App[None]):
 
     def on_unmount(self) -> None:
         self._stop_background()
+        self.mcp.close()
         self.models.close()
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:

@@ -4,7 +4,9 @@ A turn is stored only when its reply is complete: the user message and the assis
 written in one transaction, so a cancelled or failed reply leaves nothing half-written. A thinking
 model's thought is stored apart from its answer (the `thinking` column), never sent back as content.
 A message's images are kept in the history itself (the `attachments` table, the files' bytes): a
-conversation still shows and sends them when the files have moved or gone.
+conversation still shows and sends them when the files have moved or gone. The tools a reply
+called (MCP) are kept with it (the `tool_steps` column): shown again when the conversation is
+reopened, exported, and sent back to the model as the calls and results it read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from localrun import api, settings
 from localrun.errors import StoreError
 from localrun.images import to_base64
 from tui.attachments import Attachment
+from tui.tool_calls import ToolSettings, ToolStep, markdown, read_steps, steps_json
 
 _log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ _log = logging.getLogger(__name__)
 # structured-output spec as the user gave it}. A column from before holds every field of the settings.
 SETTINGS_KEY = "settings"
 OUTPUT_KEY = "output"
+TOOLS_KEY = "tools"  # the conversation's ToolSettings (servers and tools off, tool choice, steps)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -49,7 +53,8 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL,
     stats TEXT NOT NULL DEFAULT '{}',
     created REAL NOT NULL,
-    thinking TEXT NOT NULL DEFAULT ''
+    thinking TEXT NOT NULL DEFAULT '',
+    tool_steps TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 CREATE TABLE IF NOT EXISTS attachments (
@@ -71,6 +76,7 @@ class Turn:
     stats: dict[str, Any] = field(default_factory=dict, compare=False)
     thinking: str = ""  # an assistant turn's thought, apart from its answer (content)
     images: tuple[Attachment, ...] = ()  # a user turn's images, shown before its text
+    steps: tuple[ToolStep, ...] = ()  # an assistant turn's replies that called tools, before its answer
 
     def thought_title(self) -> str:
         """'Thought for 3.2 s · 41 tokens', from the turn's stats (what of it is known)."""
@@ -90,15 +96,21 @@ class Conversation:
     turns: tuple[Turn, ...] = ()
     message_count: int = 0
     output: dict[str, Any] | None = None  # structured-output spec (Constraint.from_spec)
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
-    def history(self) -> list[dict[str, Any]]:
-        """The messages in the shape `api.build_messages` takes. A turn's thought goes apart from its
-        content: the engine gives it to the template under its format's field (Seed-OSS, Bielik,
-        Command A read earlier thoughts), or drops it where the template does. A turn's images go
-        again with every later request (the engine finds them in its cache)."""
-        return [{"role": t.role, "content": t.content, **({"thinking": t.thinking} if t.thinking else {}),
-                 **({"images": [a.data for a in t.images]} if t.images else {})}
-                for t in self.turns]
+    def history(self, turns: Sequence[Turn] | None = None) -> list[dict[str, Any]]:
+        """The messages (of all turns, or those given) in the shape `api.build_messages` takes. A
+        turn's thought goes apart from its content: the engine gives it to the template under its
+        format's field (Seed-OSS, Bielik, Command A read earlier thoughts), or drops it where the
+        template does. A turn's images go again with every later request (the engine finds them in
+        its cache). A reply that called tools is its calls and their results, then its answer."""
+        out: list[dict[str, Any]] = []
+        for t in self.turns if turns is None else turns:
+            for step in t.steps:
+                out.extend(step.messages())
+            out.append({"role": t.role, "content": t.content, **({"thinking": t.thinking} if t.thinking else {}),
+                        **({"images": [a.data for a in t.images]} if t.images else {})})
+        return out
 
 
 def thought_title(seconds: float | None, tokens: int | None) -> str:
@@ -137,11 +149,23 @@ def _settings(raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return values, output
 
 
-def _params_json(given: Mapping[str, Any], output: dict[str, Any] | None = None) -> str:
+def _params_json(given: Mapping[str, Any], output: dict[str, Any] | None = None,
+                 tools: ToolSettings | None = None) -> str:
     data: dict[str, Any] = {SETTINGS_KEY: {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}}
     if output is not None:
         data[OUTPUT_KEY] = output
+    if tools is not None and tools != ToolSettings():
+        data[TOOLS_KEY] = tools.to_dict()
     return json.dumps(data)
+
+
+def _tool_settings(raw: str) -> ToolSettings:
+    """The params column's tool settings (none: every server and tool on, the app's choice)."""
+    try:
+        data = json.loads(raw or "{}")
+    except ValueError:
+        return ToolSettings()
+    return ToolSettings.from_dict(data.get(TOOLS_KEY) if isinstance(data, dict) else None)
 
 
 class ConversationStore:
@@ -160,6 +184,8 @@ class ConversationStore:
             columns = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
             if "thinking" not in columns:  # a history from before thinking models
                 db.execute("ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''")
+            if "tool_steps" not in columns:  # a history from before tools
+                db.execute("ALTER TABLE messages ADD COLUMN tool_steps TEXT NOT NULL DEFAULT ''")
         self._keep_copy()
 
     def _restore(self, problem: str) -> None:
@@ -234,8 +260,8 @@ class ConversationStore:
             if row is None:
                 raise KeyError(cid)
             msgs = db.execute(
-                "SELECT id, role, content, stats, thinking FROM messages WHERE conversation_id = ? ORDER BY id",
-                (cid,),
+                "SELECT id, role, content, stats, thinking, tool_steps FROM messages WHERE conversation_id = ? "
+                "ORDER BY id", (cid,),
             ).fetchall()
             attached: dict[int, list[Attachment]] = {}
             for mid, name, data in db.execute(
@@ -243,14 +269,15 @@ class ConversationStore:
                 "WHERE m.conversation_id = ? ORDER BY a.id", (cid,)
             ):
                 attached.setdefault(mid, []).append(Attachment(name, bytes(data)))
-        turns = tuple(Turn(r[1], r[2], json.loads(r[3] or "{}"), r[4] or "", tuple(attached.get(r[0], ())))
-                      for r in msgs)
+        turns = tuple(Turn(r[1], r[2], json.loads(r[3] or "{}"), r[4] or "", tuple(attached.get(r[0], ())),
+                           read_steps(r[5])) for r in msgs)
         return _conversation(row, turns, len(turns))
 
     def add_exchange(self, cid: int, user: str, reply: str, stats: dict[str, Any] | None = None,
-                     thinking: str = "", images: Sequence[Attachment] = ()) -> Conversation:
-        """Store a complete exchange (prompt with its images, and reply with its thought) atomically;
-        the first one titles the chat."""
+                     thinking: str = "", images: Sequence[Attachment] = (),
+                     steps: Sequence[ToolStep] = ()) -> Conversation:
+        """Store a complete exchange (prompt with its images, and reply with its thought and the
+        tools it called) atomically; the first one titles the chat."""
         now = time.time()
         with self._connect() as db:
             n = db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (cid,)).fetchone()[0]
@@ -261,9 +288,9 @@ class ConversationStore:
             db.executemany("INSERT INTO attachments (message_id, name, data) VALUES (?, ?, ?)",
                            [(cur.lastrowid, a.name, a.data) for a in images])
             db.execute(
-                "INSERT INTO messages (conversation_id, role, content, stats, created, thinking) "
-                "VALUES (?, 'assistant', ?, ?, ?, ?)",
-                (cid, reply, json.dumps(stats or {}), now, thinking),
+                "INSERT INTO messages (conversation_id, role, content, stats, created, thinking, tool_steps) "
+                "VALUES (?, 'assistant', ?, ?, ?, ?, ?)",
+                (cid, reply, json.dumps(stats or {}), now, thinking, steps_json(steps)),
             )
             if n == 0:
                 db.execute("UPDATE conversations SET title = ? WHERE id = ?",
@@ -272,8 +299,8 @@ class ConversationStore:
         return self.get(cid)
 
     def replace_last_reply(self, cid: int, reply: str, stats: dict[str, Any] | None = None,
-                           thinking: str = "") -> Conversation:
-        """Swap the last assistant reply (and its thought) for a regenerated one."""
+                           thinking: str = "", steps: Sequence[ToolStep] = ()) -> Conversation:
+        """Swap the last assistant reply (and its thought and tool calls) for a regenerated one."""
         with self._connect() as db:
             row = db.execute(
                 "SELECT id FROM messages WHERE conversation_id = ? AND role = 'assistant' ORDER BY id DESC LIMIT 1",
@@ -281,8 +308,8 @@ class ConversationStore:
             ).fetchone()
             if row is None:
                 raise KeyError(cid)
-            db.execute("UPDATE messages SET content = ?, stats = ?, thinking = ? WHERE id = ?",
-                       (reply, json.dumps(stats or {}), thinking, row[0]))
+            db.execute("UPDATE messages SET content = ?, stats = ?, thinking = ?, tool_steps = ? WHERE id = ?",
+                       (reply, json.dumps(stats or {}), thinking, steps_json(steps), row[0]))
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), cid))
         return self.get(cid)
 
@@ -291,7 +318,21 @@ class ConversationStore:
         """Save the system prompt, the settings the user set and the structured-output spec of a conversation."""
         with self._connect() as db:
             db.execute("UPDATE conversations SET system = ?, params = ? WHERE id = ?",
-                       (system, _params_json(given, output), cid))
+                       (system, _params_json(given, output, self._tools(db, cid)), cid))
+
+    def update_tools(self, cid: int, tools: ToolSettings) -> None:
+        """Save which servers and tools are on in a conversation, its tool choice and step limit."""
+        with self._connect() as db:
+            row = db.execute("SELECT params FROM conversations WHERE id = ?", (cid,)).fetchone()
+            if row is None:
+                raise KeyError(cid)
+            given, output = _settings(row[0])
+            db.execute("UPDATE conversations SET params = ? WHERE id = ?", (_params_json(given, output, tools), cid))
+
+    @staticmethod
+    def _tools(db: sqlite3.Connection, cid: int) -> ToolSettings:
+        row = db.execute("SELECT params FROM conversations WHERE id = ?", (cid,)).fetchone()
+        return _tool_settings(row[0]) if row is not None else ToolSettings()
 
     def set_model(self, cid: int, model: str) -> None:
         """Record the model a conversation continues with."""
@@ -319,15 +360,27 @@ class ConversationStore:
                 lines += ["<details>", f"<summary>{t.thought_title()}</summary>", "", t.thinking.strip(), "",
                           "</details>", ""]
             lines += [f"*[image {a.label}]*" for a in t.images] + ([""] if t.images else [])
+            for step in t.steps:  # the calls before the answer, each in a collapsed <details> block
+                lines += [step.content, ""] if step.content.strip() else []
+                for call in step.calls:
+                    lines += markdown(call)
             lines += [t.content, ""]
         return "\n".join(lines)
 
     def export_json(self, cid: int) -> dict[str, Any]:
         """The conversation as JSON: its settings and each message, a thought in its `thinking` field,
-        images as base64 in `images` (Ollama's shape) with their file names in `image_names`."""
+        images as base64 in `images` (Ollama's shape) with their file names in `image_names`; a
+        reply that called tools is preceded by its calls and their results as the chat API's
+        messages, each result with its server, tool, state and time."""
         conv = self.get(cid)
         messages: list[dict[str, Any]] = []
         for t in conv.turns:
+            for step in t.steps:
+                turn, *results = step.messages()
+                messages.append(turn)
+                for message, call in zip(results, step.calls, strict=True):
+                    messages.append({**message, "server": call.server, "tool": call.tool, "state": call.state,
+                                     "seconds": round(call.seconds, 4)})
             m: dict[str, Any] = {"role": t.role, "content": t.content}
             if t.thinking:
                 m["thinking"] = t.thinking
@@ -373,7 +426,8 @@ def _copy_db(src: Path, dst: Path) -> None:
 def _conversation(row: Any, turns: tuple[Turn, ...] = (), message_count: int = 0) -> Conversation:
     """A Conversation from (id, title, model, system, params, updated)."""
     given, output = _settings(row[4])
-    return Conversation(row[0], row[1], row[2], row[3], given, row[5], turns, message_count, output)
+    return Conversation(row[0], row[1], row[2], row[3], given, row[5], turns, message_count, output,
+                        _tool_settings(row[4]))
 
 
 def _title(prompt: str) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from tui.tool_calls import ToolCallRecord, ToolStep
 
 
 class ModelsChanged(Message):
@@ -30,14 +33,48 @@ class ReplyText(Message):
 
 
 class ReplyDone(Message):
-    """The reply ended: its full text and thought, and the final chunk's statistics."""
+    """The reply ended: its full text and thought, the final chunk's statistics, and the replies
+    before it that called tools."""
 
-    def __init__(self, generation: int, text: str, stats: dict[str, Any], thinking: str = "") -> None:
+    def __init__(self, generation: int, text: str, stats: dict[str, Any], thinking: str = "",
+                 steps: tuple[ToolStep, ...] = ()) -> None:
         super().__init__()
         self.generation = generation
         self.text = text
         self.stats = stats
         self.thinking = thinking
+        self.steps = steps
+
+
+class ToolStepEnded(Message):
+    """A reply of the model ended with tool calls: its text beside them (the calls come next, one
+    ToolUsed each, then the model's next reply)."""
+
+    def __init__(self, generation: int, content: str, thinking_seconds: float = 0.0,
+                 thinking_pieces: int = 0) -> None:
+        super().__init__()
+        self.generation = generation
+        self.content = content
+        self.thinking_seconds = thinking_seconds
+        self.thinking_pieces = thinking_pieces
+
+
+class ToolRunning(Message):
+    """A call was allowed and runs on its server now."""
+
+    def __init__(self, generation: int, where: str) -> None:
+        super().__init__()
+        self.generation = generation
+        self.where = where
+
+
+class ToolUsed(Message):
+    """A call is over: it ran, failed or was refused."""
+
+    def __init__(self, generation: int, call: ToolCallRecord) -> None:
+        super().__init__()
+        self.generation = generation
+        self.call = call
 
 
 class ReplyFailed(Message):

@@ -255,9 +255,9 @@ def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan 
 
 def tool_choice_arg(value: str | None) -> Any:
     """--tool-choice as the APIs take it: auto, required or none, or a function's NAME."""
-    if value is None or value in ("auto", "required", "none"):
-        return value
-    return {"type": "function", "function": {"name": value}}
+    from localrun import api
+
+    return api.tool_choice(value)
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:

@@ -413,7 +413,7 @@ class _Tools:
         from localrun.tool_loop import describe
 
         line = f"[tool {describe(use)}]"
-        if not use.allowed and not self.asks and use.server and use.result == "the user did not allow this call":
+        if use.refused and not self.asks:
             line += f" (not run: allow it with --allow-tools {use.tool})"
         if not self.args.json:
             print(f"\x1b[2m{line}\x1b[0m" if self.dim else line, file=sys.stderr)

@@ -1,5 +1,6 @@
 """The Chat: streamed Markdown replies (a thinking model's thought in a block above), images
-attached to messages, stop, regenerate, settings, saved conversations."""
+attached to messages, MCP tools (each call a block, asked about first; a panel turns them on and
+off), stop, regenerate, settings, saved conversations."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from tui.conversations import Conversation
 from tui.screens.chat_replies import ChatReplies, reply_widgets
 from tui.screens.dialogs import ChatSettings, ConversationsScreen, SettingsScreen, output_label
 from tui.screens.image_picker import ImagePickerScreen
+from tui.screens.tools import ToolApprovalScreen, ToolsScreen
+from tui.tool_calls import ToolSettings
 from tui.widgets.attachments import AttachmentTray, PendingImageChip
 from tui.widgets.chat import AssistantMessage, PromptInput, StatusBar, ThinkingBlock, UserMessage
 from tui.widgets.navbar import NavBar
@@ -38,6 +41,7 @@ class ChatScreen(ChatReplies):
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+n", "new", "New"),
+        Binding("ctrl+l", "tools", "Tools"),  # shown only where MCP servers are configured
         Binding("ctrl+g", "thought", "Thought", show=False),
         Binding("ctrl+f", "attach", "Image", show=False),
         # priority: the prompt (an Input) would take ctrl+e as "end of line" otherwise
@@ -55,6 +59,9 @@ class ChatScreen(ChatReplies):
         self._user_widget: UserMessage | None = None
         self._pending_prompt = ""
         self._pending_images: tuple[Attachment, ...] = ()
+        self._live: list[Any] = []
+        self._approval: ToolApprovalScreen | None = None
+        self.offered_tools: tuple[str, ...] = ()
         self.picker_folder = Path.cwd()  # where the image picker opens: the last attached image's folder
         self._regenerating = False
         self.stream_updates = 0  # text pieces shown while streaming (tests, benchmark)
@@ -171,7 +178,13 @@ class ChatScreen(ChatReplies):
     def action_stop(self) -> None:
         if self.generating:
             self.cancel.set()
+            self._close_approval()
             self.status.show(state="stopping…")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "tools":  # the key and its footer entry exist where MCP servers are configured
+            return bool(self.app.mcp.configured)  # type: ignore[attr-defined]
+        return True
 
     async def action_regenerate(self) -> None:
         conv = self.conversation
@@ -183,10 +196,12 @@ class ChatScreen(ChatReplies):
         replies = self.query(AssistantMessage)
         if replies:
             last = replies.last()
-            if last.thought is not None:
-                await last.thought.remove()
+            for part in [*last.parts, *([last.thought] if last.thought is not None else [])]:
+                if part.is_attached:
+                    await part.remove()
             await last.remove()
-        await self._start(conv.turns[-2].content, conv.turns[-2].images, conv.history()[:-2], regenerate=True)
+        await self._start(conv.turns[-2].content, conv.turns[-2].images, conv.history(conv.turns[:-2]),
+                          regenerate=True)
 
     def last_reply(self) -> str | None:
         conv = self.conversation
@@ -242,6 +257,23 @@ class ChatScreen(ChatReplies):
             self.notify("Settings saved for this conversation")
 
         self.app.push_screen(SettingsScreen(conv.system, conv.settings, conv.output), done)
+
+    def action_tools(self) -> None:
+        """The conversation's MCP servers and tools, switched on and off; its tool choice and step limit."""
+        conv = self.conversation
+        if conv is None:
+            self.notify("Open a model or a conversation first", severity="warning")
+            return
+
+        def done(result: ToolSettings | None) -> None:
+            if result is None or self.conversation is None:
+                return
+            store: Any = self.app.conversations  # type: ignore[attr-defined]
+            store.update_tools(self.conversation.id, result)
+            self.conversation = store.get(self.conversation.id)
+            self.notify("Tools saved for this conversation")
+
+        self.app.push_screen(ToolsScreen(self.app.mcp, conv.tools), done)  # type: ignore[attr-defined]
 
     def action_conversations(self) -> None:
         store: Any = self.app.conversations  # type: ignore[attr-defined]

@@ -101,15 +101,24 @@ Convert   pick a checkpoint folder and an output type; Ctrl+G converts
 """
 
 
+# Where MCP servers are configured, the chat's tools key is listed too.
+_HELP_TOOLS_AFTER = "          Ctrl+E  export the conversation to Markdown\n"
+HELP_TOOLS = "          Ctrl+L  MCP tools: servers and tools on/off, tool choice, steps\n"
+
+
 class HelpScreen(ModalScreen[None]):
     """Every key of every screen."""
 
     BINDINGS = [Binding("escape,q,f1,question_mark", "close", "Close")]
 
+    def __init__(self, tools: bool = False) -> None:
+        super().__init__()
+        self.text = HELP.replace(_HELP_TOOLS_AFTER, _HELP_TOOLS_AFTER + HELP_TOOLS) if tools else HELP
+
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog help"):
             yield Static("localrun keys (Esc closes)", classes="dialog-title")
-            yield Static(HELP, markup=False)
+            yield Static(self.text, markup=False)
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -1,5 +1,5 @@
 """The pieces of the chat screen: the prompt, messages (a user's with its images), a thinking
-model's thought, a refused message's error, and the status bar."""
+model's thought, a tool call and its result, a refused message's error, and the status bar."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from textual import events
+from textual.markup import escape
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Markdown, Static
 
 from localrun.images import pasted_image
 from tui.attachments import Attachment
 from tui.conversations import thought_title
+from tui.tool_calls import ToolCallRecord
 from tui.widgets.attachments import ImageChips
 
 
@@ -75,6 +78,9 @@ class AssistantMessage(Markdown):
         super().__init__(text, classes="message assistant")
         self.text = text
         self.thought: ThinkingBlock | None = None  # the block above it, when the model thought first
+        # The reply's other widgets above it, when it called tools first: earlier steps' text and
+        # thoughts, and the calls' blocks (regenerating the reply takes them out with it).
+        self.parts: list[Widget] = []
 
 
 class ReplyError(Static):
@@ -106,6 +112,20 @@ class ThinkingBlock(Collapsible):
     def finish(self, seconds: float | None, tokens: int | None) -> None:
         """The thought is over: its final title."""
         self.title = thought_title(seconds, tokens)
+
+
+class ToolCallBlock(Collapsible):
+    """One tool call in the conversation: titled with its server/tool, what came of it (ran,
+    error, refused) and its time; opened (a click, or Enter on its title) it shows the arguments
+    and the result."""
+
+    def __init__(self, call: ToolCallRecord) -> None:
+        self.call = call
+        self.arguments = Static(call.arguments_text(), markup=False, classes="tool-arguments")
+        self.result = Static(call.result, markup=False, classes="tool-result")
+        super().__init__(Static("Arguments", classes="tool-label"), self.arguments,
+                         Static("Result", classes="tool-label"), self.result,
+                         title=escape(call.title()), collapsed=True, classes=f"message tool -{call.state}")
 
 
 class StatusBar(Static):
