@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from localrun.reasoning import ReasoningFormat
     from localrun.tool_loop import Ask, Reply, ToolLoop, ToolUse
     from localrun.tool_servers import ServerTool, ToolServers
-    from localrun.tools import ToolCall, ToolPlan
+    from localrun.tools import ToolPlan
 
 
 def store() -> Store:
@@ -428,12 +428,14 @@ def tool_choice(value: str | None) -> Any:
     return {"type": "function", "function": {"name": value}}
 
 
-def tool_reply(text: str, calls: Sequence[ToolCall], final: Chunk | None = None, thinking: str = "") -> Reply:
-    """One reply of a tool loop's step, as a front end's generate() gives it back to the loop:
-    its text without the calls, the calls (`plan.format.parse(text)`), its last chunk, its thought."""
+def tool_reply(plan: ToolPlan, text: str, final: Chunk | None = None, thinking: str = "",
+               stopped: bool = False) -> Reply:
+    """One step's reply, as a front end's generate() gives it back to a tool loop: the text the
+    step generated read by its plan (`tool_step`) into the text without the calls and the calls
+    (none under "none", nor in a reply that was stopped), with its last chunk and its thought."""
     from localrun.tool_loop import Reply
 
-    return Reply(text, list(calls), final, thinking)
+    return Reply.of(plan, text, final, thinking, stopped)
 
 
 def tool_step(target: Target, engine: str, messages: list[dict[str, Any]], functions: list[dict[str, Any]],
@@ -442,7 +444,7 @@ def tool_step(target: Target, engine: str, messages: list[dict[str, Any]], funct
               ) -> tuple[Request, GenerationParams, ToolPlan]:
     """One step of a chat with tools: the request (messages in the chat API's shape, with calls and
     results) and its settings, the tools held to this step's choice, and the plan that reads the
-    reply's calls (`plan.format.parse(text)`; under "none" calls still written are dropped)."""
+    reply (`tool_reply`)."""
     from localrun.chat import parse_messages
     from localrun.tools import ToolPlan
 

@@ -13,10 +13,13 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from localrun.tool_servers import CallResult, ServerTool, ToolServers
 from localrun.tools import ToolCall
+
+if TYPE_CHECKING:
+    from localrun.tools import ToolPlan
 
 MAX_STEPS = 8  # replies with calls before the model must answer
 REFUSED = "the user did not allow this call"  # what the model reads of a call nobody allowed
@@ -92,6 +95,15 @@ class Reply:
     calls: list[ToolCall]
     final: Any = None
     thinking: str = ""
+
+    @classmethod
+    def of(cls, plan: ToolPlan, text: str, final: Any = None, thinking: str = "", stopped: bool = False) -> Reply:
+        """A step's generated text read by its plan: the text without the calls, and the calls,
+        none under "none" (the step limit: calls the model still writes are dropped) or in a reply
+        that was stopped."""
+        content, calls = plan.format.parse(text)
+        stopped = stopped or (final is not None and final.finish_reason == "cancelled")
+        return cls(content, [] if plan.choice == "none" or stopped else calls, final, thinking)
 
 
 @dataclass

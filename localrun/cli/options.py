@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from localrun.adapters import Target
     from localrun.constraint import Constraint
     from localrun.store import ModelInfo
+    from localrun.tool_servers import ToolServers
     from localrun.tools import ToolPlan
 
 MAX_PARALLEL = 256  # sequences decoded at once by one model
@@ -221,16 +222,18 @@ def add_mcp_flags(p: argparse.ArgumentParser) -> None:
                    help="replies with tool calls before the model must answer (default 8)")
 
 
-def mcp_specs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The MCP servers --mcp (or localrun's own mcp.json) names; none with --no-mcp."""
+def mcp_servers_from_args(args: argparse.Namespace) -> ToolServers | None:
+    """The MCP servers --mcp (or localrun's own mcp.json) names, not started; None when there are
+    none or with --no-mcp."""
+    from localrun import api
     from localrun.errors import UsageError
-    from localrun.tool_servers import read_config
 
     if getattr(args, "no_mcp", False):
         if args.mcp:
             raise UsageError("--mcp and --no-mcp say opposite things", "keep one")
-        return {}
-    return read_config(getattr(args, "mcp", None))
+        return None
+    servers = api.mcp_servers(getattr(args, "mcp", None))
+    return servers if servers.specs else None
 
 
 def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan | None:
@@ -243,9 +246,7 @@ def tool_plan_from_args(args: argparse.Namespace, model: ModelInfo) -> ToolPlan 
     from localrun.tools import ToolPlan
 
     if args.tools is None:
-        if args.tool_choice is not None and not (getattr(args, "mcp", None) or mcp_specs_from_args(args)):
-            raise UsageError("--tool-choice needs --tools or MCP servers (--mcp)")
-        return None
+        return None  # --tool-choice alone is for MCP tools: the command checks it has some
     try:
         tools = json.loads(read_text_or_file(args.tools, "--tools"))
     except ValueError as e:

@@ -19,7 +19,7 @@ from localrun.cli.options import (
     check_think,
     constraint_from_args,
     load_options_from_args,
-    mcp_specs_from_args,
+    mcp_servers_from_args,
     target_from_args,
     think_from_args,
     tool_choice_arg,
@@ -33,9 +33,15 @@ if TYPE_CHECKING:
     from localrun.generation import Chunk, Request
     from localrun.settings import GenerationParams
     from localrun.store import ModelInfo
-    from localrun.tool_loop import Answer, Reply, ToolLoop, ToolUse
+    from localrun.tool_loop import Answer, Outcome, Reply, ToolLoop, ToolUse
     from localrun.tool_servers import ServerTool, ToolServers
     from localrun.tools import ToolPlan
+
+    # One exchange of a chat: (text, system prompt, history, attached images, cancel) -> the
+    # reply's last chunk and the messages it adds after the user's (tool calls and results, then
+    # the answer)
+    Exchange = Callable[[str, str | None, list[dict[str, Any]], list[bytes], Any],
+                        tuple[Chunk | None, list[dict[str, Any]]]]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -94,12 +100,14 @@ def _run(args: argparse.Namespace) -> int:
     target, engine = target_from_args(args)
     model = target.model
     plan = tool_plan_from_args(args, model)
-    specs = mcp_specs_from_args(args)
-    if specs and (args.raw or args.tools is not None):
+    servers = mcp_servers_from_args(args)
+    if servers and (args.raw or args.tools is not None):
         if args.mcp:
             raise UsageError("MCP tools need the chat template and localrun running the calls",
                              "drop --raw and --tools, or drop --mcp")
-        specs = {}  # localrun's own mcp.json: not for raw prompts or caller-run tools
+        servers = None  # localrun's own mcp.json: not for raw prompts or caller-run tools
+    if args.tool_choice is not None and args.tools is None and servers is None:
+        raise UsageError("--tool-choice needs --tools or MCP servers (--mcp)")
     _check_think(model, engine, think)
     params = settings.resolve(given, target, engine, constraint=constraint, tools=plan)
     name = target.preset_name or model.name
@@ -113,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         i = session.info()
         gpu = f"{i['offloaded']} layers on GPU" if i.get("offloaded") else "CPU"
         print(f"[{i.get('engine')}: {gpu}, {i.get('n_threads')} threads, context {i.get('n_ctx')}]", file=sys.stderr)
-    tools = _Tools(args, api.mcp_servers(args.mcp)) if specs else None
+    tools = _Tools(args, servers) if servers else None
 
     def prepare(msgs: list[dict[str, Any]], choice: str, functions: list[dict[str, Any]]) -> tuple[Request, GenerationParams, ToolPlan]:
         """A tool step's request and settings: the tools held to this step's choice."""
@@ -124,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         if tools is not None:
             return _with_tools(session, name, args, tools, prepare, prompt, images)
         if prompt is None:
-            return _interactive(session, name, args, params, think, target.request, images)
+            return _interactive(name, args, images, _plain_exchange(session, args, params, think, target.request))
         request = Request.raw(prompt, args.system) if args.raw else api.build_messages(prompt, args.system,
                                                                                         images=images)
         if plan is not None:
@@ -262,14 +270,13 @@ def _typed() -> str | None:
         return ""
 
 
-def _interactive(session: Session, name: str, args: argparse.Namespace, params: GenerationParams,
-                 think: bool | str | None, prepare: Callable[[Request], Request], images: list[bytes]) -> int:
+def _interactive(name: str, args: argparse.Namespace, images: list[bytes], exchange: Exchange,
+                 tools: _Tools | None = None) -> int:
     """A multi-turn chat: Ctrl-C stops the current reply, Ctrl-D (or /bye) leaves. Each reply's
-    thought is kept apart from its answer in the history, for templates that read earlier thoughts."""
-    import dataclasses
+    thought is kept apart from its answer in the history, for templates that read earlier thoughts;
+    with MCP tools, the calls and results of a reply stay in the history before its answer."""
     import threading
 
-    from localrun import api
     from localrun.errors import ContextOverflowError
 
     try:
@@ -283,7 +290,8 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
     history: list[dict[str, Any]] = []
     pending = list(images)  # images for the next message (--image, /image PATH)
     err = sys.stderr
-    print(f"Chatting with {name}. Ctrl-C stops a reply, Ctrl-D leaves. /help for commands.", file=err)
+    print(f"Chatting with {name}{', with tools' if tools else ''}. Ctrl-C stops a reply, Ctrl-D leaves. "
+          "/help for commands.", file=err)
     while True:
         text = _typed()
         if text is None:
@@ -313,24 +321,58 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
                 pending.append(data)
                 print(f"[image {Path(path).name}: {imagefiles.describe(data)}] attached to your next message",
                       file=err)
+            elif cmd == "/tools" and tools is not None:
+                tools.list()
             else:
                 print("/clear forgets the conversation, /system TEXT sets the system prompt, /image PATH (or the "
-                      "path alone, pasted or dropped) attaches an image to your next message, /bye leaves", file=err)
-            continue
-        try:
-            request = dataclasses.replace(prepare(api.build_messages(text, system, history, pending)), think=think)
-        except UsageError as e:
-            print(f"localrun: {e}", file=err)
+                      "path alone, pasted or dropped) attaches an image to your next message, "
+                      + ("/tools lists the MCP tools, " if tools else "") + "/bye leaves", file=err)
             continue
         cancel = threading.Event()
-        parts: list[str] = []
-        thought = _Thought(args)
-        last = None
-        stream = api.stream(session, request, params, cancel)
         # Ctrl-C while a reply streams sets `cancel` instead of raising: an exception can land
         # anywhere (even where Python drops it, as in a finalizer), a flag is read within 50 ms
         main = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
         previous = signal.signal(signal.SIGINT, _setter(cancel)) if main else None
+        try:
+            last, added = exchange(text, system, history, pending, cancel)
+        except ContextOverflowError as e:
+            print(f"localrun: {e}; use /clear to start over", file=err)
+            continue
+        except UsageError as e:  # this message's fault (an image the model cannot read): the chat goes on
+            print(f"localrun: {e}", file=err)
+            pending.clear()
+            continue
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            print("(stopped; this exchange was not kept)", file=err)
+            continue
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        sys.stdout.write("\n")
+        if cancel.is_set() or (last is not None and last.finish_reason == "cancelled"):
+            print("(stopped; this exchange was not kept)", file=err)
+            continue
+        history += [{"role": "user", "content": text, **({"images": pending} if pending else {})}, *added]
+        pending = []
+        if args.verbose and last is not None:
+            _print_stats(last)
+
+
+def _plain_exchange(session: Session, args: argparse.Namespace, params: GenerationParams, think: bool | str | None,
+                    prepare: Callable[[Request], Request]) -> Exchange:
+    """A chat's exchange without tools: the reply streamed to stdout, its thought to stderr."""
+    import dataclasses
+
+    from localrun import api
+
+    def exchange(text: str, system: str | None, history: list[dict[str, Any]], images: list[bytes],
+                 cancel: Any) -> tuple[Chunk | None, list[dict[str, Any]]]:
+        request = dataclasses.replace(prepare(api.build_messages(text, system, history, images)), think=think)
+        parts: list[str] = []
+        thought = _Thought(args)
+        last = None
+        stream = api.stream(session, request, params, cancel)
         try:
             for chunk in stream:
                 if chunk.done:
@@ -340,35 +382,16 @@ def _interactive(session: Session, name: str, args: argparse.Namespace, params: 
                 parts.append(chunk.text)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-        except ContextOverflowError as e:
-            print(f"localrun: {e}; use /clear to start over", file=err)
-            continue
-        except UsageError as e:  # this message's fault (an image the model cannot read): the chat goes on
-            print(f"localrun: {e}", file=err)
-            pending.clear()
-            continue
-        except KeyboardInterrupt:
-            stream.close()  # cancels the reply in the engine and waits for it to stop
-            last = None
-            sys.stdout.write("\n")
-            print("(stopped; this exchange was not kept)", file=err)
-            continue
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            stream.close()  # a Ctrl-C that raised: cancels the reply in the engine and waits for it to stop
         thought.end()
-        sys.stdout.write("\n")
-        if last is not None and last.finish_reason == "cancelled":
-            print("(stopped; this exchange was not kept)", file=err)
-            continue
         # The thought stays apart: the engine gives it to the template under its format's field, or drops it.
         reply = {"role": "assistant", "content": "".join(parts)}
         if thought.parts:
             reply["thinking"] = "".join(thought.parts)
-        history += [{"role": "user", "content": text, **({"images": pending} if pending else {})}, reply]
-        pending = []
-        if args.verbose and last is not None:
-            _print_stats(last)
+        return last, [reply]
+
+    return exchange
 
 
 class _Tools:
@@ -418,6 +441,14 @@ class _Tools:
         if not self.args.json:
             print(f"\x1b[2m{line}\x1b[0m" if self.dim else line, file=sys.stderr)
 
+    def list(self) -> None:
+        """The tools the model is offered, and the servers that are not available (/tools)."""
+        loop = self.start()
+        for t in loop.tools.values():
+            print(f"{t.server}/{t.name}: {t.description.splitlines()[0] if t.description else ''}", file=sys.stderr)
+        for server, why in self.servers.failures.items():
+            print(f"{server}: not available ({why})", file=sys.stderr)
+
     def close(self) -> None:
         self.servers.close()
 
@@ -427,7 +458,6 @@ def _tool_reply(session: Session, request: Request, params: GenerationParams, pl
     """Stream one reply of a tool step: its content to stdout as it comes (when shown), its calls
     parsed from the whole text."""
     from localrun import api
-    from localrun.tool_loop import Reply
 
     streamer = plan.streamer()
     parts: list[str] = []
@@ -443,9 +473,7 @@ def _tool_reply(session: Session, request: Request, params: GenerationParams, pl
     if show and streamer is not None:
         _show_content(streamer.flush())
     thought.end()
-    # Under "none" (the step limit) calls the model still writes are read out and dropped.
-    content, calls = plan.format.parse("".join(parts))
-    return Reply(content, [] if plan.choice == "none" else calls, last, "".join(thought.parts))
+    return api.tool_reply(plan, "".join(parts), last, "".join(thought.parts))
 
 
 def _show_content(events: list[Any]) -> None:
@@ -460,15 +488,13 @@ def _with_tools(session: Session, name: str, args: argparse.Namespace, tools: _T
                 prepare: Callable[..., tuple[Request, GenerationParams, ToolPlan]], prompt: str | None,
                 images: list[bytes]) -> int:
     """One reply (or a chat) whose model may call the MCP servers' tools until it answers."""
-    import threading
 
-    from localrun.errors import ContextOverflowError, UsageError
+    def messages(text: str, system: str | None, history: list[dict[str, Any]],
+                 attached: list[bytes]) -> list[dict[str, Any]]:
+        head = [{"role": "system", "content": system}] if system else []
+        return [*head, *history, {"role": "user", "content": text, **({"images": attached} if attached else {})}]
 
-    def messages(text: str, history: list[dict[str, Any]], attached: list[bytes]) -> list[dict[str, Any]]:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        return [*system, *history, {"role": "user", "content": text, **({"images": attached} if attached else {})}]
-
-    def run_turn(msgs: list[dict[str, Any]], choice: str, show: bool, cancel: Any = None) -> tuple[Any, _Thought]:
+    def run_turn(msgs: list[dict[str, Any]], show: bool, cancel: Any = None) -> tuple[Outcome, _Thought]:
         loop = tools.start()
         thought = _Thought(args)
 
@@ -478,68 +504,31 @@ def _with_tools(session: Session, name: str, args: argparse.Namespace, tools: _T
 
         if not loop.tools:
             print("localrun: no MCP tools are available; the model answers without them", file=sys.stderr)
-        return loop.run(generate, msgs, choice if loop.tools else "none"), thought
+        return loop.run(generate, msgs, (args.tool_choice or "auto") if loop.tools else "none"), thought
 
-    choice = args.tool_choice or "auto"
-    if prompt is not None:
-        outcome, thought = run_turn(messages(prompt, [], images), choice, not args.json)
-        last = outcome.reply.final
-        if args.json:
-            record: dict[str, Any] = {"model": name, "text": outcome.reply.text, **_stats(last),
-                                      "tool_uses": [u.to_dict() for u in outcome.uses]}
-            if thought.parts:
-                record["thinking"] = "".join(thought.parts)
-            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
-        elif not outcome.reply.text.endswith("\n"):
-            sys.stdout.write("\n")
-        sys.stdout.flush()
-        if args.verbose:
-            _print_stats(last)
-        return 130 if last.finish_reason == "cancelled" else 0
+    if prompt is None:
+        def exchange(text: str, system: str | None, history: list[dict[str, Any]], attached: list[bytes],
+                     cancel: Any) -> tuple[Chunk | None, list[dict[str, Any]]]:
+            msgs = messages(text, system, history, attached)
+            outcome, _ = run_turn(msgs, True, cancel)
+            reply: dict[str, Any] = {"role": "assistant", "content": outcome.reply.text}
+            if outcome.reply.thinking:
+                reply["thinking"] = outcome.reply.thinking
+            return outcome.reply.final, [*outcome.messages[len(msgs):], reply]
 
-    err = sys.stderr
-    history: list[dict[str, Any]] = []
-    pending = list(images)
-    print(f"Chatting with {name}, with tools. Ctrl-C stops a reply, Ctrl-D leaves. /clear forgets, /tools lists them.",
-          file=err)
-    while True:
-        text = _typed()
-        if text is None:
-            return 0
-        if not text:
-            continue
-        if text in ("/bye", "/exit", "/quit"):
-            return 0
-        if text == "/clear":
-            history.clear()
-            print("(conversation cleared)", file=err)
-            continue
-        if text == "/tools":
-            loop = tools.start()
-            for t in loop.tools.values():
-                print(f"{t.server}/{t.name}: {t.description.splitlines()[0] if t.description else ''}", file=err)
-            for server, why in tools.servers.failures.items():
-                print(f"{server}: not available ({why})", file=err)
-            continue
-        cancel = threading.Event()
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, _setter(cancel)) if main else None
-        try:
-            outcome, _ = run_turn(messages(text, history, pending), choice, True, cancel)
-        except (ContextOverflowError, UsageError) as e:
-            print(f"localrun: {e}", file=err)
-            continue
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+        return _interactive(name, args, images, exchange, tools)
+
+    outcome, thought = run_turn(messages(prompt, args.system, [], images), not args.json)
+    last = outcome.reply.final
+    if args.json:
+        record: dict[str, Any] = {"model": name, "text": outcome.reply.text, **_stats(last),
+                                  "tool_uses": [u.to_dict() for u in outcome.uses]}
+        if thought.parts:
+            record["thinking"] = "".join(thought.parts)
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    elif not outcome.reply.text.endswith("\n"):
         sys.stdout.write("\n")
-        if cancel.is_set() or (outcome.reply.final is not None and outcome.reply.final.finish_reason == "cancelled"):
-            print("(stopped; this exchange was not kept)", file=err)
-            continue
-        reply: dict[str, Any] = {"role": "assistant", "content": outcome.reply.text}
-        if outcome.reply.thinking:
-            reply["thinking"] = outcome.reply.thinking
-        history = [m for m in outcome.messages if m.get("role") != "system"] + [reply]
-        pending = []
-        if args.verbose and outcome.reply.final is not None:
-            _print_stats(outcome.reply.final)
+    sys.stdout.flush()
+    if args.verbose:
+        _print_stats(last)
+    return 130 if last.finish_reason == "cancelled" else 0

@@ -344,10 +344,8 @@ def tool_reply(stream: ReplyStream, session: Any, request: Request, params: Gene
     """One step of a reply with tools: its content streamed, its calls read from the whole text
     (none under "none", the step limit, nor in a stopped reply)."""
     raw, final = stream.run(session, request, params, cancel, plan.streamer())
-    content, calls = plan.format.parse(raw)
-    if plan.choice == "none" or final is None or final.finish_reason == "cancelled" or cancel.is_set():
-        calls = []
-    return api.tool_reply(content, calls, final, "".join(stream.thought.parts)), stream.thought
+    stopped = final is None or cancel.is_set()
+    return api.tool_reply(plan, raw, final, "".join(stream.thought.parts), stopped), stream.thought
 
 
 def reply_stats(chunk: Chunk, thought: ThoughtClock, seen: bool) -> dict[str, Any]:
