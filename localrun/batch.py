@@ -111,6 +111,36 @@ class Progress:
         return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+class Meter:
+    """Where a running batch stands, for its progress callback: rows done (bad rows first), tokens,
+    time since it started. run_rows, run_rows_with_tools and the cluster's run keep it."""
+
+    def __init__(self, rows: list[BatchRow], progress: Callable[[Progress], None] | None) -> None:
+        self.t0 = time.perf_counter()
+        self.total = len(rows)
+        self.rows = rows
+        self.progress = progress
+        self.done = self.prompt = self.completion = 0
+
+    def bad_rows(self) -> Iterator[Record]:
+        """The rows that cannot run, as {"id", "error"}, counted done; then the first tick."""
+        for r in self.rows:
+            if r.error is not None:
+                self.done += 1
+                yield {"id": r.id, "error": r.error}
+        self.tick()
+
+    def finished(self, record: Mapping[str, Any]) -> None:
+        """A row's record is out: one more row done, with its tokens."""
+        self.done += 1
+        self.prompt += int(record.get("prompt_tokens") or 0)
+        self.completion += int(record.get("completion_tokens") or 0)
+
+    def tick(self) -> None:
+        if self.progress is not None:
+            self.progress(Progress(self.done, self.total, self.prompt, self.completion, time.perf_counter() - self.t0))
+
+
 def key(row_id: Any) -> str:
     """How ids are compared (CSV output reads every id back as text)."""
     return str(row_id)
@@ -497,19 +527,8 @@ def run_rows(session: Session, rows: list[BatchRow], params: GenerationParams, c
     Bad rows come first as {"id", "error"}; the others as {"id", "text", "finish_reason",
     "prompt_tokens", "completion_tokens"} in the order they finish.
     """
-    t0 = time.perf_counter()
-    done = prompt = completion = 0
-    total = len(rows)
-
-    def tick(p: int, c: int) -> None:
-        if progress is not None:
-            progress(Progress(done, total, p, c, time.perf_counter() - t0))
-
-    for r in rows:
-        if r.error is not None:
-            done += 1
-            yield {"id": r.id, "error": r.error}
-    tick(0, 0)
+    meter = Meter(rows, progress)
+    yield from meter.bad_rows()
     runnable = [(r.id, r.request, r.params or params) for r in rows if r.request is not None]
     if not runnable:
         return
@@ -520,15 +539,14 @@ def run_rows(session: Session, rows: list[BatchRow], params: GenerationParams, c
             rec = _record(event)
             if "error" in rec and key(rec["id"]) in lines:
                 rec["error"] = f"line {lines[key(rec['id'])]}: {rec['error']}"
-            done += 1
-            prompt += rec.get("prompt_tokens", 0)
+            running = meter.completion
+            meter.finished(rec)
             finished += rec.get("completion_tokens", 0)
-            completion = max(completion, finished)
+            meter.completion = max(running, finished)
             yield rec
-            tick(prompt, completion)
         else:
-            completion = max(completion, event.completion_tokens)
-            tick(prompt, completion)
+            meter.completion = max(meter.completion, event.completion_tokens)
+        meter.tick()
 
 
 def run_rows_with_tools(session: Session, rows: list[BatchRow], params: GenerationParams, loop: ToolLoop,
@@ -541,20 +559,10 @@ def run_rows_with_tools(session: Session, rows: list[BatchRow], params: Generati
     import dataclasses
 
     from localrun.chat import Message
+    from localrun.tool_loop import Reply
 
-    t0 = time.perf_counter()
-    done = prompt = completion = 0
-    total = len(rows)
-
-    def tick() -> None:
-        if progress is not None:
-            progress(Progress(done, total, prompt, completion, time.perf_counter() - t0))
-
-    for r in rows:
-        if r.error is not None:
-            done += 1
-            yield {"id": r.id, "error": r.error}
-    tick()
+    meter = Meter(rows, progress)
+    yield from meter.bad_rows()
     state: dict[str, dict[str, Any]] = {
         key(r.id): {"row": r, "messages": list(r.request.messages), "uses": [], "step": 0, "tokens": [0, 0]}
         for r in rows if r.request is not None}
@@ -580,30 +588,27 @@ def run_rows_with_tools(session: Session, rows: list[BatchRow], params: Generati
             s = state[k]
             rec = _record(event)
             if "error" in rec:
-                done += 1
+                meter.finished({})
                 yield {"id": s["row"].id, "error": f"line {s['row'].line}: {rec['error']}",
                        "tool_uses": [u.to_dict() for u in s["uses"]]}
-                tick()
+                meter.tick()
                 continue
             s["tokens"][0] += rec.get("prompt_tokens", 0)
             s["tokens"][1] += rec.get("completion_tokens", 0)
-            plan = plans[k]
-            content, calls = plan.format.parse(event.text)
-            if calls and plan.choice != "none":
+            reply = Reply.of(plans[k], event.text, thinking=event.thinking)
+            if reply.calls:
                 s["step"] += 1
-                s["messages"].append(Message("assistant", content, tuple(c.to_template() for c in calls),
+                s["messages"].append(Message("assistant", reply.text, tuple(c.to_template() for c in reply.calls),
                                              thinking=event.thinking))
-                for call in calls:
+                for call in reply.calls:
                     use = loop.use(call)
                     s["uses"].append(use)
                     s["messages"].append(Message("tool", use.result, tool_call_id=call.id, name=call.name))
                 again.append(k)
                 continue
-            done += 1
-            prompt += s["tokens"][0]
-            completion += s["tokens"][1]
-            out = {**rec, "text": content, "prompt_tokens": s["tokens"][0], "completion_tokens": s["tokens"][1],
+            out = {**rec, "text": reply.text, "prompt_tokens": s["tokens"][0], "completion_tokens": s["tokens"][1],
                    "tool_uses": [u.to_dict() for u in s["uses"]]}
+            meter.finished(out)
             yield cast(Record, out)
-            tick()
+            meter.tick()
         active = again

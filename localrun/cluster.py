@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localrun.batch import BatchRow, Progress, Record, key
+from localrun.batch import BatchRow, Meter, Progress, Record, key
 from localrun.errors import BackendUnavailableError, LocalrunError, UsageError
 from localrun.settings import GenerationParams, LoadOptions
 from localrun.store import ModelInfo, hf_cache_dir
@@ -190,20 +190,9 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
     ray = import_ray(opts.address)
     say = notice or (lambda line: None)
     summary = summary if summary is not None else Summary()
-    t0 = time.perf_counter()
-    done = prompt_tokens = completion_tokens = 0
-    total = len(rows)
-
-    def tick() -> None:
-        if progress is not None:
-            progress(Progress(done, total, prompt_tokens, completion_tokens, time.perf_counter() - t0))
-
-    for r in rows:
-        if r.error is not None:
-            done += 1
-            yield {"id": r.id, "error": r.error}
+    meter = Meter(rows, progress)
+    yield from meter.bad_rows()
     runnable = [r for r in rows if r.request is not None]
-    tick()
     if not runnable:
         return
     started_here = not ray.is_initialized()
@@ -235,7 +224,7 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
             else:
                 a.dead = info
                 say(f"ray: actor {a.index} failed to start: {info}")
-        summary.start_seconds = time.perf_counter() - t0
+        summary.start_seconds = time.perf_counter() - meter.t0
         inflight: dict[Any, tuple[_Actor, _Block, set[str]]] = {}
         while blocks or inflight:
             if cancel is not None and cancel.is_set():
@@ -245,9 +234,9 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
                 reason = "; ".join(sorted({a.dead for a in actors if a.dead})) or "no actor is alive"
                 while blocks:
                     for r in blocks.popleft().rows:
-                        done += 1
+                        meter.finished({})
                         yield {"id": r.id, "error": f"no actor could run this row: {reason}"}
-                tick()
+                meter.tick()
                 return
             while blocks:  # the next block to the least busy actor: every actor gets work
                 free = [a for a in live if a.busy < IN_FLIGHT]
@@ -280,9 +269,9 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
                     rest = [r for r in block.rows if key(r.id) not in got]
                     if block.attempts > opts.retries:
                         for r in rest:
-                            done += 1
+                            meter.finished({})
                             yield {"id": r.id, "error": f"its actor died {block.attempts} times: {a.dead}"}
-                        tick()
+                        meter.tick()
                     else:
                         summary.retried_blocks += 1
                         blocks.appendleft(_Block(rest, block.attempts))
@@ -290,11 +279,9 @@ def run(model: ModelInfo, rows: list[BatchRow], params: GenerationParams, option
                 got.add(key(record.get("id")))
                 a.rows += 1
                 a.tokens += int(record.get("completion_tokens") or 0)
-                done += 1
-                prompt_tokens += int(record.get("prompt_tokens") or 0)
-                completion_tokens += int(record.get("completion_tokens") or 0)
+                meter.finished(record)
                 yield record
-                tick()
+                meter.tick()
     finally:
         for a in actors:
             if a.busy > 0:  # stopped or failed with blocks in flight: count the time they ran
