@@ -277,19 +277,21 @@ class ToolServers:
                            model_name=t.name if counts[t.name] == 1 else f"{_safe(name)}__{t.name}")
                 for name, t in raw]
 
-    def call(self, tool: ServerTool, arguments: dict[str, Any]) -> CallResult:
-        """Run one call; every failure (the tool's own error, a timeout, a server that crashed)
-        is an error result the model reads, never an exception."""
+    def call(self, tool: ServerTool, arguments: dict[str, Any], timeout: float | None = None) -> CallResult:
+        """Run one call, for at most `timeout` seconds (default: call_timeout); every failure (the
+        tool's own error, a timeout, a server that crashed) is an error result the model reads,
+        never an exception."""
         t0 = time.perf_counter()
+        timeout = self.call_timeout if timeout is None else timeout
         server = self._servers.get(tool.server)
         if server is None or server.client is None or server.task is None or server.task.done():
             why = (server.error if server else None) or self.failures.get(tool.server) or "it is not running"
             return CallResult(f"the MCP server '{tool.server}' is not available: {why}", True, 0.0)
         try:
-            result = self._run(self._call(server, tool.name, arguments), self.call_timeout + 10)
+            result = self._run(self._call(server, tool.name, arguments, timeout), timeout + 10)
         except (FutureTimeout, TimeoutError, asyncio.TimeoutError):
             return CallResult(f"the tool '{tool.name}' on '{tool.server}' did not answer within "
-                              f"{self.call_timeout:g} s", True, time.perf_counter() - t0)
+                              f"{timeout:g} s", True, time.perf_counter() - t0)
         except _ServerGone as e:
             self.failures[tool.server] = str(e)
             self._servers.pop(tool.server, None)
@@ -299,10 +301,10 @@ class ToolServers:
             return CallResult(f"the tool '{tool.name}' failed: {_reason(e)}", True, time.perf_counter() - t0)
         return CallResult(result_text(result), bool(result.is_error), time.perf_counter() - t0)
 
-    async def _call(self, server: _Server, name: str, arguments: dict[str, Any]) -> Any:
+    async def _call(self, server: _Server, name: str, arguments: dict[str, Any], timeout: float) -> Any:
         assert server.task is not None
-        call = asyncio.ensure_future(server.client.call_tool(name, arguments, read_timeout_seconds=self.call_timeout))
-        done, _ = await asyncio.wait({call, server.task}, timeout=self.call_timeout,
+        call = asyncio.ensure_future(server.client.call_tool(name, arguments, read_timeout_seconds=timeout))
+        done, _ = await asyncio.wait({call, server.task}, timeout=timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
         if call in done and (call.exception() is None or server.task in done):
             if server.task in done and call.exception() is not None:

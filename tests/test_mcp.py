@@ -108,14 +108,14 @@ def test_real_time_and_git_servers_list_and_run_their_tools(tmp_path: Path) -> N
 
 
 def test_a_tool_that_fails_hangs_or_takes_bad_arguments_is_an_error_result(tmp_path: Path) -> None:
-    with ToolServers({"t": ServerSpec("t", *TEST_SERVER[:1], (*TEST_SERVER[1:], "stdio"))}, call_timeout=2) as servers:
+    with ToolServers({"t": ServerSpec("t", *TEST_SERVER[:1], (*TEST_SERVER[1:], "stdio"))}) as servers:
         tools = by_name(servers)
         assert servers.call(tools["add"], {"a": 2, "b": 3}).text == "5"
         failed = servers.call(tools["fail"], {"reason": "no disk"})
         assert failed.is_error
         wrong = servers.call(tools["add"], {"a": "two", "b": 3})  # the server's own check
         assert wrong.is_error and "valid integer" in wrong.text
-        slow = servers.call(tools["sleep"], {"seconds": 60})
+        slow = servers.call(tools["sleep"], {"seconds": 600}, timeout=2)  # the others keep the 60 s default
         assert slow.is_error and "did not answer within 2 s" in slow.text
         assert servers.call(tools["add"], {"a": 1, "b": 1}).text == "2"  # the server goes on
 
@@ -138,19 +138,21 @@ def test_a_server_that_crashes_in_a_call_is_named_and_the_others_go_on(tmp_path:
 
 
 def test_servers_that_cannot_start_are_each_one_message(tmp_path: Path) -> None:
-    specs = {"hang": ServerSpec("hang", sys.executable, ("-c", "import time; time.sleep(600)")),
-             "missing": ServerSpec("missing", "/nonexistent/mcp-thing"),
+    specs = {"missing": ServerSpec("missing", "/nonexistent/mcp-thing"),
              "exits": ServerSpec("exits", sys.executable, ("-c", "import sys; sys.exit(2)")),
              "down": ServerSpec("down", url="http://127.0.0.1:9/mcp"),
              "t": ServerSpec("t", TEST_SERVER[0], (*TEST_SERVER[1:], "stdio"))}
-    with ToolServers(specs, start_timeout=5) as servers:
+    with ToolServers(specs) as servers:
         names = {t.name for t in servers.tools()}
         assert "add" in names  # the working one is there
         f = servers.failures
-        assert f["hang"] == "it did not answer within 5 s"
         assert f["missing"].startswith("its command was not found")
         assert f["exits"] == "its connection closed (the process exited?)"
         assert "ConnectError" in f["down"]
+    # A server that never answers, alone with a short start bound (it can only time out)
+    hang = {"hang": ServerSpec("hang", sys.executable, ("-c", "import time; time.sleep(600)"))}
+    with ToolServers(hang, start_timeout=5) as servers:
+        assert servers.tools() == [] and servers.failures["hang"] == "it did not answer within 5 s"
     alive = subprocess.run(["pgrep", "-f", "time.sleep(600)"], capture_output=True, text=True)
     assert alive.stdout.strip() == ""  # the hanging process was stopped with the session
 

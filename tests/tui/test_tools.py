@@ -64,7 +64,7 @@ async def _send(pilot: Any, screen: ChatScreen, text: str) -> int:
     prompt.value = text
     prompt.focus()
     await pilot.press("enter")
-    await wait_for(pilot, lambda: screen.generation > before, "the reply to start", 100)
+    await wait_for(pilot, lambda: screen.generation > before, "the reply to start")
     return screen.generation
 
 
@@ -72,10 +72,15 @@ def _approval(app: Any) -> bool:
     return isinstance(app.screen, ToolApprovalScreen)
 
 
+def _prompt_ready(app: Any) -> bool:
+    """The approval prompt is shown with its buttons, the No button focused (composed and mounted)."""
+    return _approval(app) and app.screen.focused is not None and app.screen.focused.id == "no"
+
+
 async def _asked(pilot: Any, screen: ChatScreen) -> ToolApprovalScreen:
-    """Wait for the approval prompt (failing if the reply ends without one)."""
+    """Wait for the approval prompt, ready to answer (failing if the reply ends without one)."""
     app = pilot.app
-    await wait_for(pilot, lambda: _approval(app) or not screen.generating, "the approval prompt")
+    await wait_for(pilot, lambda: _prompt_ready(app) or not screen.generating, "the approval prompt")
     assert _approval(app), "the reply ended without asking"
     return app.screen  # type: ignore[no-any-return]
 
@@ -167,7 +172,7 @@ async def _flow(make_app: Any, cfg: Path) -> None:
         # Regenerated, the reply's calls are replaced with the new reply's (greedy: the same again).
         generation = screen.generation
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: screen.generation > generation, "the regeneration to start", 100)
+        await wait_for(pilot, lambda: screen.generation > generation, "the regeneration to start")
         await _done(pilot, screen, screen.generation)
         regenerated = app.conversations.get(second.id)
 

@@ -56,8 +56,7 @@ class ToolApprovalScreen(ModalScreen["Answer"]):
                 yield Button("No (n)", id="no")
                 yield Button("Never for this tool (v)", variant="error", id="never")
 
-    def on_mount(self) -> None:
-        self.query_one("#no", Button).focus()  # Enter on a prompt that just opened runs nothing
+    AUTO_FOCUS = "#no"  # Enter on a prompt that just opened runs nothing
 
     @on(Button.Pressed)
     def _pressed(self, event: Button.Pressed) -> None:
