@@ -65,6 +65,11 @@ class Ranked:
     scores: list[float]
     prompt_tokens: int
 
+    def order(self, top_n: int | None = None) -> list[int]:
+        """The documents' indexes, best score first (ties keep the documents' order), at most top_n."""
+        best = sorted(range(len(self.scores)), key=lambda i: -self.scores[i])
+        return best if top_n is None else best[:top_n]
+
 
 @dataclass(frozen=True)
 class Sampled:

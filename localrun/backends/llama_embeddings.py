@@ -16,12 +16,15 @@ class LlamaEmbeddings:
 
     ll: Any
     model: Any
+    vocab: Any
+    n_vocab: int
     model_info: ModelInfo
     n_ctx: int
     threads: int
     bos: int
     _embed_ctx: Any
     _embed_size: int = 0
+    _ranks: bool | None = None  # the model is a reranker (_rank_pooling)
 
     if TYPE_CHECKING:  # defined by the engine's tokens mixin
         def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -62,15 +65,19 @@ class LlamaEmbeddings:
 
     def _rank_pooling(self) -> bool:
         """A reranker: its file declares rank pooling, or (a file made by llama.cpp's converter,
-        which leaves that to llama-server's --rerank) an encoder with a classification head."""
-        arch = self.meta("general.architecture") or ""
-        value = self.meta(f"{arch}.pooling_type")
-        if value is not None:
-            return int(value) == int(self.ll.LLAMA_POOLING_TYPE_RANK)
-        return arch in EMBEDDING_ARCHS and bool(self.ll.llama_model_cls_label(self.model, 0))
+        which leaves that to llama-server's --rerank) an encoder with a classification head.
+        Read from the file once."""
+        if self._ranks is None:
+            arch = self.meta("general.architecture") or ""
+            value = self.meta(f"{arch}.pooling_type")
+            if value is not None:
+                self._ranks = int(value) == int(self.ll.LLAMA_POOLING_TYPE_RANK)
+            else:
+                self._ranks = arch in EMBEDDING_ARCHS and bool(self.ll.llama_model_cls_label(self.model, 0))
+        return self._ranks
 
     def _ids(self, tokens: list[int]) -> list[int]:
-        n_vocab = int(self.ll.llama_vocab_n_tokens(self.ll.llama_model_get_vocab(self.model)))
+        n_vocab = self.n_vocab
         bad = next((t for t in tokens if not 0 <= int(t) < n_vocab), None)
         if bad is not None:
             raise UsageError(f"token id {bad} is outside the vocabulary of '{self.model_info.name}' "
@@ -85,7 +92,7 @@ class LlamaEmbeddings:
         if template:
             text = template.replace("{query}", query).replace("{document}", doc)
             return self.tokenize(text, add_special=False, parse_special=True)
-        vocab = ll.llama_model_get_vocab(self.model)
+        vocab = self.vocab
         eos = ll.llama_vocab_eos(vocab)
         if eos == ll.LLAMA_TOKEN_NULL:
             eos = ll.llama_vocab_sep(vocab)
@@ -106,7 +113,7 @@ class LlamaEmbeddings:
         model with a long context is not given a compute buffer for it that no input uses."""
         ll = self.ll
         size = min(self.n_ctx, max(512, 1 << (max(longest, 1) - 1).bit_length()))
-        if self._embed_ctx is not None and getattr(self, "_embed_size", 0) < size:
+        if self._embed_ctx is not None and self._embed_size < size:
             ll.llama_free(self._embed_ctx)
             self._embed_ctx = None
         if self._embed_ctx is None:

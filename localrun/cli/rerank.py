@@ -60,7 +60,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
 
     docs = read_documents(args.docs)
     result = api.rerank(args.model, args.query, docs, load_options_from_args(args))
-    order = sorted(range(len(docs)), key=lambda i: -result.scores[i])[: args.top_n]
+    order = result.order(args.top_n)
     if args.json:
         print(json.dumps({"results": [{"index": i, "relevance_score": result.scores[i], "document": docs[i]}
                                       for i in order], "prompt_tokens": result.prompt_tokens}, indent=2))

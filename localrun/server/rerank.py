@@ -28,12 +28,6 @@ def rank(pool: Pool, model: ModelInfo, query: str, documents: list[str]) -> Rank
         return session.rerank(query, documents)
 
 
-def ordered(scores: list[float], top_n: int | None) -> list[int]:
-    """The documents' indexes, best score first (ties keep the documents' order), at most top_n."""
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    return order if top_n is None else order[:top_n]
-
-
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v1/reranking")
@@ -45,7 +39,7 @@ async def rerank(body: RerankRequest, request: HttpRequest) -> Any:
     result = await run_blocking(request, lambda: rank(pool, model, body.query, docs))
     name = display_name(model.name)
     request.state.log = {"model": name}
-    order = ordered(result.scores, body.top_n)
+    order = result.order(body.top_n)
     if body.texts is not None:  # Text Embeddings Inference: a bare list
         return [{"index": i, "score": result.scores[i], **({"text": docs[i]} if body.return_text else {})}
                 for i in order]

@@ -498,7 +498,6 @@ class _Steps:
         self.run = start_run(request, prep.target, [Job(prep.request, prep.params)], None, stream=True)
         self.runs = [self.run]
         self.reason: str | None = None
-        self.begun = False  # the current run's begin() was awaited (by a whole answer's endpoint)
         self.calls = 0  # MCP calls run
 
     async def settle(self) -> None:
@@ -529,9 +528,7 @@ class _Steps:
         rounds = 0
         plan = self.prep.plan
         while True:
-            if not self.begun:
-                await self.run.begin()
-            self.begun = False
+            await self.run.begin()
             async for r in _drive(self.run, self.out, plan):
                 self.reason = r or self.reason
                 yield
@@ -607,7 +604,6 @@ async def create(body: ResponsesRequest, request: HttpRequest) -> Response:
 
     try:
         await steps.run.begin()  # errors before the first token are the request's status
-        steps.begun = True
         try:
             await unless_disconnected(request, consume(), steps.close)
         finally:

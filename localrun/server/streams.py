@@ -151,6 +151,7 @@ class Run:
         self.finals: dict[int, Chunk] = {}  # written by the workers, so the log sees cancelled ones too
         self.count = len(workers)
         self._early: list[tuple[int, Any]] = []
+        self.begun = False  # every worker has sent its first item (begin)
         self._open = len(workers)
         self._running = len(workers)
         self._lock = threading.Lock()
@@ -219,7 +220,11 @@ class Run:
     async def begin(self) -> None:
         """Wait until every worker has sent its first item; raise the first error (queue full,
         prompt too long, model failed to load) so the endpoint can still answer with its
-        status. A client that leaves meanwhile cancels the run (ClientGone)."""
+        status. A client that leaves meanwhile cancels the run (ClientGone). Once begun, again
+        returns at once."""
+        if self.begun:
+            return
+
         async def first_items() -> None:
             begun: set[int] = set()
             while len(begun) < self.count:
@@ -234,6 +239,7 @@ class Run:
         except BaseException:
             await asyncio.shield(self.settle())
             raise
+        self.begun = True
 
     async def items(self) -> AsyncIterator[tuple[int, Any]]:
         """(worker index, item) until every worker ends; a worker's failure is raised."""
