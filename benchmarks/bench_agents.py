@@ -55,15 +55,12 @@ import argparse
 import concurrent.futures
 import copy
 import functools
-import http.server
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +70,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from bench_serve import Config, Server  # noqa: E402
+
+from tests.agents import record_requests  # noqa: E402  (the same recorder as the tests')
 
 SERVERS = ("localrun", "llama-server")
 TARGETS = {"codex": 0.8, "codex-fn": 0.8, "claude": 0.5}
@@ -132,45 +131,6 @@ def tools_model(model: str, template: str, ctx: int) -> str:
 
 # ---- the agents' first requests --------------------------------------------------------------
 
-def _record(run: Any) -> list[tuple[str, dict[str, Any]]]:
-    """Run an agent against a bare endpoint that records each POST (path, body) and answers 400."""
-    bodies: list[tuple[str, dict[str, Any]]] = []
-
-    class Record(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
-            if self.headers.get("content-encoding") == "zstd":
-                import zstandard
-
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
-            bodies.append((self.path, json.loads(raw)))
-            self.send_response(400)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"type": "error", "error": {"message": "recorded", "type": "invalid_request_error",'
-                             b' "code": null}}')
-
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(404)
-            self.end_headers()
-
-        def do_HEAD(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-agents-") as tmp:
-            run(f"http://127.0.0.1:{server.server_address[1]}", Path(tmp))
-    finally:
-        server.shutdown()
-    return bodies
-
-
 def _agent(name: str) -> str:
     from localrun import agents
 
@@ -197,7 +157,7 @@ def codex_request(model: str, ctx: int) -> dict[str, Any]:
                        env={**os.environ, "CODEX_HOME": str(folder / "home"), "NO_COLOR": "1"},
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
 
-    bodies = [b for path, b in _record(run) if path.endswith("/responses")]
+    bodies = [b for path, b in record_requests(run) if path.endswith("/responses")]
     if not bodies:
         raise SystemExit("Codex sent no request to the recording endpoint")
     return bodies[0]
@@ -216,7 +176,7 @@ def claude_request(model: str) -> dict[str, Any]:
         subprocess.run([claude, "-p", TASK, "--tools", CLAUDE_TOOLS], cwd=folder / "work", env=env,
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
 
-    bodies = [b for path, b in _record(run) if "/messages" in path and b.get("tools")]
+    bodies = [b for path, b in record_requests(run) if "/messages" in path and b.get("tools")]
     if not bodies:
         raise SystemExit("Claude Code sent no request with its tools to the recording endpoint")
     return bodies[0]

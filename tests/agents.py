@@ -3,9 +3,15 @@ are, and Codex's own apply_patch, which the Codex binary runs when it is called 
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import REPO, skip_or_fail
 
@@ -35,3 +41,44 @@ def apply_patch(patch: str, repo: Path) -> subprocess.CompletedProcess[str]:
     if not tool.exists():
         tool.symlink_to(codex_native())
     return subprocess.run([str(tool), patch], cwd=repo, capture_output=True, text=True, timeout=60)
+
+
+def record_requests(run: Callable[[str, Path], None]) -> list[tuple[str, dict[str, Any]]]:
+    """Run an agent (`run(url, scratch folder)`) against a bare endpoint that records each POST
+    (path, JSON body, zstd bodies decompressed) and answers 400 in both OpenAI's and Anthropic's
+    error shape: the requests an agent sends, as it sends them."""
+    bodies: list[tuple[str, dict[str, Any]]] = []
+
+    class Record(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            if self.headers.get("content-encoding") == "zstd":
+                import zstandard
+
+                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+            bodies.append((self.path, json.loads(raw)))
+            self.send_response(400)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "error", "error": {"message": "recorded", "type": "invalid_request_error",'
+                             b' "code": null}}')
+
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(404)
+            self.end_headers()
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="agent-requests-") as tmp:
+            run(f"http://127.0.0.1:{server.server_address[1]}", Path(tmp))
+    finally:
+        server.shutdown()
+    return bodies

@@ -6,17 +6,14 @@ endpoint so that tests use Codex's own tools (its apply_patch grammar) without c
 from __future__ import annotations
 
 import functools
-import http.server
 import json
 import os
 import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 from localrun import agents
-from tests.agents import agent_or_fail
+from tests.agents import agent_or_fail, record_requests
 
 MODEL = "smollm2:135m"
 # The starter holds 8192 tokens; Codex's default first request is about 9.1k. Its own options make
@@ -46,34 +43,17 @@ def instructions_file(folder: Path) -> Path:
 def codex_request() -> dict[str, Any]:
     """The body of the first request Codex sends for this model, configured as `localrun launch`
     configures it (so its catalog declares apply_patch as a freeform tool)."""
-    bodies: list[bytes] = []
+    codex = str(agent_or_fail("codex"))
 
-    class Record(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            bodies.append(self.rfile.read(int(self.headers.get("content-length") or 0)))
-            self.send_response(400)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"error": {"message": "recorded", "type": "invalid_request_error", "code": null}}')
+    def run(url: str, folder: Path) -> None:
+        args, _ = agents.codex_setup(codex, url, MODEL, 8192, False, False, folder / "catalog")
+        work = folder / "work"
+        work.mkdir()
+        subprocess.run([codex, *args, "exec", "--skip-git-repo-check", "--ephemeral", *NARROW, *EDIT_ONLY,
+                        "-c", f"model_instructions_file={json.dumps(str(instructions_file(folder)))}", "hi"],
+                       cwd=work, env=codex_env(folder / "home"), stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=300)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with tempfile.TemporaryDirectory(prefix="codex-capture-") as tmp:
-            folder = Path(tmp)
-            codex = str(agent_or_fail("codex"))
-            args, _ = agents.codex_setup(codex, f"http://127.0.0.1:{server.server_address[1]}", MODEL, 8192,
-                                         False, False, folder / "catalog")
-            work = folder / "work"
-            work.mkdir()
-            subprocess.run([codex, *args, "exec", "--skip-git-repo-check", "--ephemeral", *NARROW, *EDIT_ONLY,
-                            "-c", f"model_instructions_file={json.dumps(str(instructions_file(folder)))}", "hi"],
-                           cwd=work, env=codex_env(folder / "home"), stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=300)
-    finally:
-        server.shutdown()
+    bodies = [body for _, body in record_requests(run)]
     assert bodies, "Codex sent no request"
-    return dict(json.loads(bodies[0]))
+    return dict(bodies[0])
