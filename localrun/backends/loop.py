@@ -53,7 +53,6 @@ class Sink(Protocol):
         ...
 
 
-_lcp = common_prefix
 
 
 class _Job:
@@ -115,7 +114,7 @@ class EngineLoop:
         # A slot's cache that a new request would throw away goes to host memory when at least this
         # many tokens of it would be lost (copying the state out costs less than evaluating them).
         self.min_save = 256
-        limit = (default_bytes() if cache_ram is None else cache_ram << 20) if getattr(engine, "can_save", False) else 0
+        limit = (default_bytes() if cache_ram is None else cache_ram << 20) if engine.can_save else 0
         self.host = HostCache(limit)
 
     @property
@@ -254,12 +253,12 @@ class EngineLoop:
         """(source slot, length) of the longest cached prefix of tokens for the free slot `own`,
         preferring its own cache."""
         limit = len(tokens) - 1  # the last prompt token is always evaluated: it gives the logits
-        best, best_len = own, _lcp(self._cache(own, lora), tokens, limit)
+        best, best_len = own, common_prefix(self._cache(own, lora), tokens, limit)
         if not self.engine.can_copy:
             return best, best_len
         for s, cached in sources:
             if s != own:
-                n = _lcp(cached, tokens, limit)
+                n = common_prefix(cached, tokens, limit)
                 if n >= best_len + self.min_copy_gain:
                     best, best_len = s, n
         return best, best_len
@@ -271,7 +270,7 @@ class EngineLoop:
         (where that shared start is copied, see _best), so that the other conversation's next turn
         still finds its cache."""
         limit = len(job.tokens) - 1
-        shared = {s: _lcp(self._cache(s, lora), job.tokens, limit) for s in free}
+        shared = {s: common_prefix(self._cache(s, lora), job.tokens, limit) for s in free}
         best = max(free, key=lambda s: (shared[s], -self.last_used[s]))
         held = len(self.cached[best])
         if held == 0 or shared[best] * 2 >= held:
@@ -311,9 +310,9 @@ class EngineLoop:
             lead_slot, lead = wave[0]
             shared = min(len(j.tokens) - 1 for _, j in wave)
             for _, j in wave[1:]:
-                shared = _lcp(lead.tokens, j.tokens, shared)
+                shared = common_prefix(lead.tokens, j.tokens, shared)
             if shared >= max(n for _, n in plan.values()) + self.min_copy_gain:
-                own = _lcp(self._cache(lead_slot, lora), lead.tokens, shared)
+                own = common_prefix(self._cache(lead_slot, lora), lead.tokens, shared)
                 self._save(lead_slot, own)
                 self.engine.prefill(lead_slot, lead.tokens[:shared], own)
                 self.prompt_tokens += shared - own
@@ -350,11 +349,11 @@ class EngineLoop:
         if not self.engine.can_copy:
             return False
         limit = len(job.tokens) - 1
-        ahead = max((_lcp(j.tokens, job.tokens, limit) for j in self.slots
+        ahead = max((common_prefix(j.tokens, job.tokens, limit) for j in self.slots
                      if j is not None and not j.sampled and j.lora == lora), default=0)
         if ahead < self.min_save:
             return False
-        held = max((_lcp(c, job.tokens, limit) for _, c in self._sources(lora)), default=0)
+        held = max((common_prefix(c, job.tokens, limit) for _, c in self._sources(lora)), default=0)
         return ahead >= max(held, self.host.find(job.tokens, lora, limit)[1]) + self.min_save
 
     def _save(self, slot: int, keep: int) -> None:
