@@ -230,6 +230,11 @@ class ToolServers:
             raise
 
     # -- servers -----------------------------------------------------------------------------
+    @property
+    def running(self) -> list[str]:
+        """The servers started and not stopped."""
+        return [name for name, s in self._servers.items() if s.task is not None and not s.task.done()]
+
     def log_path(self, name: str) -> Path:
         """Where a stdio server's messages (its stderr) go."""
         return self.log_dir / f"mcp-{_safe(name)}.log"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -194,8 +195,8 @@ async def _flow(make_app: Any, cfg: Path) -> None:
         assert messages[1]["tool_calls"][0]["function"]["name"] == "codeword"
         assert messages[2]["content"] == ANSWER and messages[2]["server"] == "t" and messages[2]["state"] == "ran"
 
-        # The tools panel: codeword off for this conversation, and the next request goes without it.
-        assert "codeword" in screen.offered_tools
+        # The tools panel: codeword off for this conversation, and the next request goes without it
+        # (forced to call a tool, the model calls another one).
         await pilot.press("ctrl+l")
         await wait_for(pilot, lambda: isinstance(app.screen, ToolsScreen) and app.screen.loaded, "the tools panel")
         panel = app.screen
@@ -206,21 +207,27 @@ async def _flow(make_app: Any, cfg: Path) -> None:
         assert choice.value == "codeword"
         await pilot.click(switch)
         await wait_for(pilot, lambda: not switch.value and choice.value == "auto", "codeword off")
-        choice.value = "none"
+        choice.value = "required"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: not isinstance(app.screen, ToolsScreen), "the panel to close")
         assert screen.conversation is not None
-        assert screen.conversation.tools == ToolSettings(frozenset({"t/codeword"}), "none")
-        generation = await _send(pilot, screen, "Hello!")
+        assert screen.conversation.tools == ToolSettings(frozenset({"t/codeword"}), "required")
+        generation = await _send(pilot, screen, ASK)
+        asked = await _asked(pilot, screen)
+        shown = str(asked.query_one("#approval-tool").render())
+        assert "codeword" not in shown and any(f"Tool    {t}" in shown for t in ("add", "fail", "sleep", "crash"))
+        await pilot.press("escape")
         await _done(pilot, screen, generation)
-        assert "codeword" not in screen.offered_tools and {"add", "fail", "sleep", "crash"} <= set(screen.offered_tools)
 
         # Reopened, the first conversation shows its refused calls again.
         await screen.open_conversation(first.id)
         await wait_for(pilot, lambda: len(screen.query(ToolCallBlock)) == 3, "the stored calls")
         assert [b.call.state for b in screen.query(ToolCallBlock)] == ["refused"] * 3
         assert screen.conversation is not None and screen.conversation.tools == ToolSettings()
-    assert not app.mcp.servers._servers  # stopped with the app
+        assert app.mcp.servers.running == ["t"]
+    # stopped with the app: no process of the test server is left
+    left = subprocess.run(["pgrep", "-f", "mcp_test_server.py stdio"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
 
 
 # -- the parts that need no model ----------------------------------------------------------------

@@ -61,7 +61,6 @@ class ChatScreen(ChatReplies):
         self._pending_images: tuple[Attachment, ...] = ()
         self._live: list[Any] = []
         self._approval: ToolApprovalScreen | None = None
-        self.offered_tools: tuple[str, ...] = ()
         self.picker_folder = Path.cwd()  # where the image picker opens: the last attached image's folder
         self._regenerating = False
         self.stream_updates = 0  # text pieces shown while streaming (tests, benchmark)

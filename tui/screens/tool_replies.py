@@ -61,7 +61,6 @@ class ToolReplies(Screen[None]):
     _reply_widget: AssistantMessage | None
     _live: list[Widget]  # the reply in progress's widgets: its steps' text and thoughts, the calls' blocks
     _approval: ToolApprovalScreen | None  # the approval prompt open now
-    offered_tools: tuple[str, ...]  # the tools the last request offered the model, as it sees them
 
     @property
     def status(self) -> StatusBar:
@@ -100,7 +99,6 @@ class ToolReplies(Screen[None]):
         thoughts: list[Any] = []
 
         def generate(msgs: list[dict[str, Any]], choice: str) -> Reply:
-            self.offered_tools = tuple(loop.tools)
             reply, thought = step(msgs, choice)
             thoughts.append(thought)
             if reply.calls:
